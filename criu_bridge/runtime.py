@@ -1,0 +1,141 @@
+"""runc, driven for checkpoints: `runc checkpoint` of a frozen container.
+
+The pod-wide cut freezes containers through the cgroup freezer (see
+`criu_bridge.freezer`) and then asks runc to dump each one with CRIU, leaving
+it running (runc puts it back in the state it found it: frozen). runc does the
+OCI-specific work: external bind mounts, namespaces, the stdio pipes
+(`descriptors.json`). Failures carry CRIU's decisive log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from criu_bridge import logs
+from criu_bridge.errors import RuntimeFailure
+
+# Checkpoint options people may set, and the runc flag each one maps to.
+CHECKPOINT_OPTIONS: dict[str, str] = {
+    "tcp-established": "--tcp-established",
+    "file-locks": "--file-locks",
+    "ext-unix-sk": "--ext-unix-sk",
+    "shell-job": "--shell-job",
+}
+
+
+@dataclass(frozen=True)
+class CheckpointFlags:
+    tcp_established: bool = False
+    file_locks: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+
+    def runc_args(self) -> list[str]:
+        out = []
+        for name, flag in CHECKPOINT_OPTIONS.items():
+            if getattr(self, name.replace("-", "_")):
+                out.append(flag)
+        return out
+
+    def as_options(self) -> dict[str, str]:
+        return {n: "true" for n in CHECKPOINT_OPTIONS if getattr(self, n.replace("-", "_"))}
+
+
+class Runc:
+    def __init__(self, binary: str, root: str) -> None:
+        self.binary = binary
+        self.root = root
+
+    def _base(self, log_path: str | None = None) -> list[str]:
+        args = [self.binary, "--root", self.root]
+        if log_path:
+            args += ["--log", log_path, "--log-format", "json"]
+        return args
+
+    async def state(self, container_id: str, *, timeout: float = 10.0) -> dict[str, object]:
+        proc = await asyncio.create_subprocess_exec(
+            *self._base(), "state", container_id,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await _communicate(proc, timeout)
+        if proc.returncode != 0:
+            raise RuntimeFailure(
+                phase="runc state", decisive=[err.decode(errors="replace").strip()], log_path=None
+            )
+        state: dict[str, object] = json.loads(out)
+        return state
+
+    async def checkpoint(
+        self,
+        container_id: str,
+        *,
+        image_dir: str,
+        work_dir: str,
+        flags: CheckpointFlags,
+        on_start: Callable[[int], Awaitable[None]] | None = None,
+        procs: list[asyncio.subprocess.Process] | None = None,
+    ) -> None:
+        """Dump a (frozen) container, leaving it as it was.
+
+        `on_start(pid)` runs once runc has started, so a watchdog can follow
+        it, and the process is appended to `procs`. Cancelling this coroutine
+        does not kill runc: CRIU holds the container's tasks, and killing it
+        mid-dump can hurt them. The caller decides (see `reap`).
+        """
+        os.makedirs(image_dir, exist_ok=True)
+        os.makedirs(work_dir, exist_ok=True)
+        runc_log = os.path.join(work_dir, "runc.log")
+        argv = self._base(runc_log) + [
+            "checkpoint", "--leave-running",
+            "--image-path", image_dir, "--work-path", work_dir,
+            *flags.runc_args(), container_id,
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if procs is not None:
+            procs.append(proc)
+        if on_start is not None:
+            await on_start(proc.pid)
+        out = await proc.communicate()
+        if proc.returncode != 0:
+            dump_log = os.path.join(work_dir, "dump.log")
+            decisive = logs.read_decisive(dump_log)
+            if not decisive:
+                with contextlib.suppress(OSError):
+                    with open(runc_log, encoding="utf-8", errors="replace") as fh:
+                        decisive = logs.runc_log_errors(fh.read())[-4:]
+            if not decisive:
+                decisive = [(out[0] or b"").decode(errors="replace").strip()[-2000:]]
+            raise RuntimeFailure(phase="dump", decisive=decisive, log_path=dump_log)
+
+
+async def _communicate(proc: asyncio.subprocess.Process, timeout: float) -> tuple[bytes, bytes]:
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+            return out or b"", err or b""
+    except BaseException:
+        await reap(proc, grace=0)
+        raise
+
+
+async def reap(proc: asyncio.subprocess.Process, *, grace: float) -> None:
+    """Wait up to `grace` seconds for `proc`, then kill its session and reap it."""
+    if proc.returncode is None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()

@@ -1,0 +1,68 @@
+"""Between the agent's dataclasses and its API messages."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
+from node_agent.checkpointing import Progress
+from node_agent.restoring import RestoredPod
+from node_agent.store import CheckpointRecord
+
+
+def _s(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _f(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
+    meta: Mapping[str, Any] = rec.metadata if isinstance(rec.metadata, Mapping) else {}
+    pod = meta.get("pod") if isinstance(meta.get("pod"), Mapping) else {}
+    sizes: dict[str, int] = {}
+    for f in rec.files:
+        parts = f.path.split("/")
+        if len(parts) > 2 and parts[0] == "containers":
+            sizes[parts[1]] = sizes.get(parts[1], 0) + f.size
+    containers = []
+    for c in meta.get("containers") or []:
+        if not isinstance(c, Mapping):
+            continue
+        name = _s(c.get("name"))
+        containers.append(pb.ContainerInfo(
+            name=name, id=_s(c.get("id")), image=_s(c.get("image")), image_ref=_s(c.get("image_ref")),
+            size=sizes.get(name, 0), dump_log=f"containers/{name}/dump.log", dump_ms=_f(c.get("dump_ms")),
+        ))
+    opts = meta.get("options") if isinstance(meta.get("options"), Mapping) else {}
+    return pb.CheckpointInfo(
+        id=rec.id,
+        pod_namespace=_s(pod.get("namespace")),
+        pod_name=_s(pod.get("name")),
+        pod_uid=_s(pod.get("uid")),
+        pod_sandbox_id=_s(pod.get("id")),
+        containers=containers,
+        created=_s(meta.get("created")) or rec.created,
+        size=rec.size,
+        stored_size=rec.stored_size,
+        frozen_ms=_f(meta.get("frozen_ms")),
+        options={str(k): str(v) for k, v in opts.items()},
+        criu_version=_s(meta.get("criu_version")),
+        node=_s(meta.get("node")),
+    )
+
+
+def progress(p: Progress) -> pb.Progress:
+    return pb.Progress(
+        phase=p.phase, containers_done=p.containers_done, containers_total=p.containers_total,
+        bytes_done=p.bytes_done, bytes_total=p.bytes_total, message=p.message,
+    )
+
+
+def restore_result(r: RestoredPod) -> pb.RestoreResult:
+    return pb.RestoreResult(
+        pod_sandbox_id=r.pod_sandbox_id,
+        containers=[pb.RestoredContainer(name=n, container_id=c) for n, c in r.containers],
+        namespace=r.namespace, name=r.name, uid=r.uid, checkpoint_id=r.checkpoint_id, started=r.started,
+    )

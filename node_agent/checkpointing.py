@@ -1,0 +1,465 @@
+"""The pod-wide cut: select, freeze all, capture all, thaw all, publish.
+
+Sees dataclasses only (CRI data from `node_agent.cri`, files from the
+store); never protobuf. The pod is never left frozen: a detached watchdog is
+armed before the first freeze and thaws the pod if this process dies or
+stalls; every path out of the freeze window thaws, shielded from
+cancellation; the journal lets start-up recovery finish the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from criu_bridge import freezer, rootfs
+from criu_bridge import watchdog as wd
+from criu_bridge.errors import BridgeError, RuntimeFailure
+from criu_bridge.freezer import Freezer
+from criu_bridge.rpc import CriuClient
+from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags, Runc, reap
+from node_agent import errors
+from node_agent.config import Settings
+from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
+from node_agent.journal import Entry, Journal
+from node_agent.store import CheckpointRecord, Store
+
+log = logging.getLogger(__name__)
+
+GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
+_TRUE = {"", "true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+METADATA_KIND = "node-agent.pod-checkpoint"
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str
+    containers_done: int = 0
+    containers_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    message: str = ""
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def _no_progress(_: Progress) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    pod: str
+    containers: Sequence[str] = ()
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+def parse_options(options: Mapping[str, str]) -> CheckpointFlags:
+    """Checkpoint options to runc flags; anything undocumented is refused."""
+    values: dict[str, bool] = {}
+    for key, raw in options.items():
+        if key not in CHECKPOINT_OPTIONS:
+            raise errors.InvalidArgument(
+                f"unknown checkpoint option {key!r} (supported: {', '.join(sorted(CHECKPOINT_OPTIONS))})"
+            )
+        val = str(raw).strip().lower()
+        if val in _TRUE:
+            values[key.replace("-", "_")] = True
+        elif val in _FALSE:
+            values[key.replace("-", "_")] = False
+        else:
+            raise errors.InvalidArgument(f"checkpoint option {key!r}: expected true or false, got {raw!r}")
+    return CheckpointFlags(**values)
+
+
+async def resolve_pod(cri: CriClient, ref: str) -> Pod:
+    """A pod by full sandbox ID, unique ID prefix, or namespace/name."""
+    ref = ref.strip()
+    if not ref:
+        raise errors.InvalidArgument("no pod given")
+    pods = await cri.list_pods()
+    if "/" in ref:
+        ns, _, name = ref.partition("/")
+        found = [p for p in pods if p.namespace == ns and p.name == name]
+        ready = [p for p in found if p.ready]
+        if not found:
+            raise errors.NotFound(f"pod {ref} not found")
+        if not ready:
+            raise errors.FailedPrecondition(f"pod {ref} has no ready sandbox")
+        if len(ready) > 1:
+            raise errors.InvalidArgument(f"pod {ref} has {len(ready)} ready sandboxes; give a sandbox ID")
+        return ready[0]
+    exact = [p for p in pods if p.id == ref]
+    if exact:
+        return exact[0]
+    if not re.fullmatch(r"[0-9a-f]{1,64}", ref):
+        raise errors.NotFound(f"pod {ref!r} not found (give a sandbox ID, a unique ID prefix or namespace/name)")
+    found = [p for p in pods if p.id.startswith(ref)]
+    if not found:
+        raise errors.NotFound(f"no pod sandbox ID starts with {ref}")
+    if len(found) > 1:
+        raise errors.InvalidArgument(f"pod ID prefix {ref} is ambiguous ({len(found)} sandboxes)")
+    return found[0]
+
+
+def gpu_devices(spec: Mapping[str, Any]) -> list[str]:
+    """GPU device nodes a container's OCI spec gives it (devices or mounts)."""
+    found = []
+    for dev in (spec.get("linux") or {}).get("devices") or []:
+        path = str(dev.get("path", ""))
+        if path.startswith(GPU_DEVICE_PREFIXES):
+            found.append(path)
+    for m in spec.get("mounts") or []:
+        for key in ("destination", "source"):
+            path = str(m.get(key, ""))
+            if path.startswith(GPU_DEVICE_PREFIXES):
+                found.append(path)
+                break
+    return sorted(set(found))
+
+
+def shm_source(spec: Mapping[str, Any]) -> str | None:
+    """The host directory behind a container's /dev/shm, if it is the pod's own."""
+    for m in spec.get("mounts") or []:
+        if m.get("destination") == "/dev/shm" and m.get("type") == "bind":
+            src = str(m.get("source", ""))
+            if src.startswith("/") and src.rstrip("/") != "/dev/shm":
+                return src
+    return None
+
+
+def _rfc3339(ts: float | None = None) -> str:
+    return dt.datetime.fromtimestamp(ts or time.time(), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class _Target:
+    detail: ContainerDetail
+    freezer: Freezer
+    upperdir: str
+    dir: str  # this container's directory in the work tree
+
+    @property
+    def name(self) -> str:
+        return self.detail.container.name
+
+    @property
+    def id(self) -> str:
+        return self.detail.container.id
+
+
+class Checkpointer:
+    def __init__(self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient) -> None:
+        self.settings = settings
+        self.cri = cri
+        self.store = store
+        self.journal = journal
+        self.criu = criu
+        self.runc = Runc(settings.runc, settings.runc_root)
+        self._busy: set[str] = set()
+
+    async def checkpoint(
+        self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
+    ) -> CheckpointRecord:
+        flags = parse_options(req.options)
+        timeout = timeout if timeout is not None else self.settings.timeouts.checkpoint
+        phase = ["resolve"]
+        pod_ref = req.pod
+        try:
+            async with asyncio.timeout(timeout):
+                pod = await resolve_pod(self.cri, req.pod)
+                pod_ref = pod.ref
+                if pod.id in self._busy:
+                    raise errors.FailedPrecondition(f"pod {pod.ref}: another checkpoint of it is running")
+                self._busy.add(pod.id)
+                try:
+                    return await self._run(pod, req, flags, phase, progress)
+                finally:
+                    self._busy.discard(pod.id)
+        except TimeoutError as exc:
+            raise errors.DeadlineExceeded(
+                f"checkpoint of pod {pod_ref}: the deadline ({timeout:g}s) passed during {phase[0]}; "
+                "the pod was resumed and nothing was kept"
+            ) from exc
+
+    async def _select(self, pod: Pod, wanted: Sequence[str]) -> list[ContainerDetail]:
+        containers = [c for c in await self.cri.list_containers(pod.id) if c.pod_id == pod.id]
+        if wanted:
+            if len(set(wanted)) != len(wanted):
+                raise errors.InvalidArgument(f"pod {pod.ref}: duplicate containers in {list(wanted)}")
+            chosen = []
+            for w in wanted:
+                match = [c for c in containers if w in (c.name, c.id)] or [
+                    c for c in containers if len(w) >= 6 and c.id.startswith(w)
+                ]
+                live = [c for c in match if c.running] or match
+                if not live:
+                    raise errors.NotFound(f"pod {pod.ref} has no container {w!r}")
+                if not live[0].running:
+                    raise errors.FailedPrecondition(
+                        f"pod {pod.ref}: container {live[0].name} is {live[0].state.removeprefix('CONTAINER_').lower()}, not running"
+                    )
+                chosen.append(live[0])
+        else:
+            chosen = [c for c in containers if c.running]
+            if not chosen:
+                raise errors.FailedPrecondition(f"pod {pod.ref} has no running container")
+        if len({c.name for c in chosen}) != len(chosen):
+            raise errors.InvalidArgument(f"pod {pod.ref}: the selection names one container twice")
+        details = [await self.cri.container_status(c.id) for c in chosen]
+        for d in details:
+            if not d.container.running or d.pid <= 0:
+                raise errors.FailedPrecondition(f"pod {pod.ref}: container {d.container.name} is not running")
+            gpus = gpu_devices(d.spec)
+            if gpus:
+                raise errors.FailedPrecondition(
+                    f"pod {pod.ref}: container {d.container.name} uses GPU device nodes ({', '.join(gpus)}); "
+                    "CRIU cannot capture device memory, so the pod was not paused"
+                )
+        return details
+
+    async def _run(
+        self, pod: Pod, req: CheckpointRequest, flags: CheckpointFlags, phase: list[str], progress: ProgressFn
+    ) -> CheckpointRecord:
+        progress(Progress("resolve", message=f"pod {pod.ref}"))
+        details = await self._select(pod, req.containers)
+        pod_detail = await self.cri.pod_status(pod.id)
+        total = len(details)
+        entry = Entry("checkpoint")
+        work = os.path.join(self.settings.work_dir, entry.op_id)
+        targets: list[_Target] = []
+        for d in details:
+            try:
+                fz = freezer.freezer_of(d.pid)
+                upper = rootfs.upperdir_of(d.pid)
+            except BridgeError as exc:
+                raise errors.FailedPrecondition(f"pod {pod.ref}, container {d.container.name}: {exc}") from exc
+            targets.append(_Target(d, fz, upper, os.path.join(work, "containers", d.container.name)))
+        shm = shm_source(details[0].spec)
+        entry.data = {
+            "pod": pod.ref,
+            "pod_id": pod.id,
+            "work": work,
+            "freezers": [t.freezer.to_arg() for t in targets],
+            "containers": [t.id for t in targets],
+            "helpers": [],
+        }
+        self.journal.write(entry)
+        try:
+            os.makedirs(work, mode=0o700)
+            os.makedirs(os.path.join(work, "pod", "cpuinfo"))
+            for t in targets:
+                os.makedirs(os.path.join(t.dir, "checkpoint"))
+                os.makedirs(os.path.join(t.dir, "work"))
+            phase[0] = "criu cpuinfo dump"
+            await self.criu.cpuinfo_dump(os.path.join(work, "pod", "cpuinfo"))
+            criu_version = (await self.criu.version()).text
+
+            phase[0] = "freeze"
+            frozen_ms, dump_ms = await self._cut(pod, targets, shm, work, flags, entry, phase, progress)
+            log.info(
+                "pod %s frozen for %.1f ms", pod.ref, frozen_ms,
+                extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(frozen_ms, 1)},
+            )
+
+            phase[0] = "ingest"
+            progress(Progress("ingest", total, total, message="storing"))
+            meta = self._metadata(pod, pod_detail, targets, flags, frozen_ms, dump_ms, criu_version)
+            self._write_config_files(work, pod_detail, targets)
+            record = await asyncio.to_thread(self._ingest, work, meta)
+            progress(Progress("done", total, total, record.size, record.size, record.id))
+            log.info("checkpoint %s of pod %s published", record.id, pod.ref, extra={"pod": pod.ref, "checkpoint": record.id, "phase": "publish"})
+            return record
+        finally:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
+            self.journal.remove(entry)
+
+    async def _cut(
+        self,
+        pod: Pod,
+        targets: list[_Target],
+        shm: str | None,
+        work: str,
+        flags: CheckpointFlags,
+        entry: Entry,
+        phase: list[str],
+        progress: ProgressFn,
+    ) -> tuple[float, dict[str, float]]:
+        """Freeze every target, capture each, thaw every target. Returns (frozen ms, dump ms per container)."""
+        total = len(targets)
+        s = self.settings
+        os.makedirs(s.logs_dir, mode=0o700, exist_ok=True)
+        guard = await asyncio.to_thread(
+            wd.arm, [t.freezer for t in targets], max_freeze=s.timeouts.max_freeze,
+            log_path=os.path.join(s.logs_dir, "watchdog.log"),
+        )
+        entry.data["watchdog"] = guard.pid
+        self.journal.write(entry)
+        helpers: list[asyncio.subprocess.Process] = []
+        done = [0]
+        dump_ms: dict[str, float] = {}
+        ok = False
+        t_freeze = time.monotonic()
+        try:
+            progress(Progress("freeze", 0, total, message=f"freezing {total} container(s)"))
+            await asyncio.gather(*(asyncio.to_thread(freezer.freeze, t.freezer) for t in targets))
+            phase[0] = "dump"
+            progress(Progress("dump", 0, total))
+
+            async def dump(t: _Target) -> None:
+                async def started(pid: int) -> None:
+                    guard.follow(pid)
+                    entry.data["helpers"].append({"pid": pid, "start": wd.proc_starttime(pid)})
+                    await asyncio.to_thread(self.journal.write, entry)
+
+                t0 = time.monotonic()
+                diff = asyncio.to_thread(
+                    rootfs.capture_diff, t.upperdir,
+                    os.path.join(t.dir, "rootfs-diff.tar"), os.path.join(t.dir, "deleted.files"),
+                )
+                try:
+                    await asyncio.gather(
+                        self.runc.checkpoint(
+                            t.id, image_dir=os.path.join(t.dir, "checkpoint"),
+                            work_dir=os.path.join(t.dir, "work"), flags=flags,
+                            on_start=started, procs=helpers,
+                        ),
+                        diff,
+                    )
+                except RuntimeFailure as exc:
+                    kept = self._keep_log(entry.op_id, t.name, exc.log_path)
+                    raise errors.FailedPrecondition(
+                        f"checkpoint of pod {pod.ref}, container {t.name}, phase {exc.phase}: "
+                        + "; ".join(exc.decisive)
+                        + (f" (full CRIU log: {kept})" if kept else "")
+                    ) from exc
+                except BridgeError as exc:
+                    raise errors.FailedPrecondition(f"checkpoint of pod {pod.ref}, container {t.name}: {exc}") from exc
+                dump_ms[t.name] = (time.monotonic() - t0) * 1000
+                done[0] += 1
+                progress(Progress("dump", done[0], total, message=t.name))
+
+            jobs = [dump(t) for t in targets]
+            if shm:
+                jobs.append(self._capture_shm(shm, os.path.join(work, "pod")))
+            await _gather_all(jobs)
+            ok = True
+        finally:
+            # Thaw first, whatever happened; then wait out helpers on failure.
+            await asyncio.shield(self._thaw(targets, guard, helpers, ok))
+        frozen_ms = (time.monotonic() - t_freeze) * 1000
+        progress(Progress("thaw", total, total, message=f"frozen {frozen_ms:.0f} ms"))
+        return frozen_ms, dump_ms
+
+    async def _thaw(
+        self, targets: list[_Target], guard: wd.Armed, helpers: list[asyncio.subprocess.Process], ok: bool
+    ) -> None:
+        def thaw_all() -> None:
+            for t in targets:
+                try:
+                    freezer.thaw(t.freezer)
+                except OSError as exc:
+                    log.warning("cannot thaw container %s: %s", t.name, exc.strerror)
+
+        await asyncio.to_thread(thaw_all)
+        if ok:
+            guard.stand_down()
+        else:
+            # CRIU re-freezes a cgroup it found frozen when it finishes; the
+            # watchdog keeps thawing until runc and CRIU are gone.
+            guard.release()
+            for proc in helpers:
+                await reap(proc, grace=self.settings.timeouts.cleanup)
+            await asyncio.to_thread(thaw_all)
+        await asyncio.to_thread(guard.wait, 5.0)
+
+    async def _capture_shm(self, src: str, dest_dir: str) -> None:
+        try:
+            await asyncio.to_thread(
+                rootfs.capture_diff, src, os.path.join(dest_dir, "devshm.tar"),
+                os.path.join(dest_dir, "devshm.deleted"),
+            )
+        except BridgeError as exc:
+            raise errors.FailedPrecondition(f"cannot capture the pod's /dev/shm ({src}): {exc}") from exc
+
+    def _keep_log(self, op_id: str, name: str, path: str | None) -> str | None:
+        if not path or not os.path.exists(path):
+            return None
+        dest_dir = os.path.join(self.settings.logs_dir, op_id)
+        os.makedirs(dest_dir, mode=0o700, exist_ok=True)
+        dest = os.path.join(dest_dir, f"{name}-{os.path.basename(path)}")
+        shutil.copyfile(path, dest)
+        return dest
+
+    def _metadata(
+        self, pod: Pod, pod_detail: PodDetail, targets: list[_Target], flags: CheckpointFlags,
+        frozen_ms: float, dump_ms: dict[str, float], criu_version: str,
+    ) -> dict[str, Any]:
+        return {
+            "kind": METADATA_KIND,
+            "version": 1,
+            "created": _rfc3339(),
+            "node": socket.gethostname(),
+            "pod": {
+                "id": pod.id, "name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                "runtime_handler": pod.runtime_handler,
+            },
+            "containers": [
+                {
+                    "name": t.name, "id": t.id, "image": t.detail.container.image,
+                    "image_ref": t.detail.container.image_ref,
+                    "dump_ms": round(dump_ms.get(t.name, 0.0), 1),
+                }
+                for t in targets
+            ],
+            "frozen_ms": round(frozen_ms, 1),
+            "options": flags.as_options(),
+            "criu_version": criu_version,
+        }
+
+    def _write_config_files(self, work: str, pod_detail: PodDetail, targets: list[_Target]) -> None:
+        def dump(path: str, obj: Any) -> None:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(obj, fh, sort_keys=True, indent=1)
+
+        dump(os.path.join(work, "pod", "config.json"), {"config": pod_detail.config, "runtime_handler": pod_detail.pod.runtime_handler})
+        for t in targets:
+            d = t.detail
+            dump(os.path.join(t.dir, "config.dump"), {
+                "id": d.container.id, "name": d.container.name,
+                "rootfsImage": d.container.image, "rootfsImageRef": d.container.image_ref,
+                "rootfsImageName": d.container.image, "runtime": "runc",
+                "createdTime": _rfc3339(d.container.created_ns / 1e9), "checkpointedTime": _rfc3339(),
+                "config": d.config, "log_path": d.log_path,
+            })
+            dump(os.path.join(t.dir, "spec.dump"), d.spec)
+            # CRIU's own log is part of the checkpoint; the scratch dir is not.
+            wdir = os.path.join(t.dir, "work")
+            if os.path.exists(os.path.join(wdir, "dump.log")):
+                os.replace(os.path.join(wdir, "dump.log"), os.path.join(t.dir, "dump.log"))
+            shutil.rmtree(wdir, ignore_errors=True)
+
+    def _ingest(self, work: str, meta: dict[str, Any]) -> CheckpointRecord:
+        with self.store.writer() as w:
+            w.add_tree("", work)
+            return w.commit(meta)
+
+
+async def _gather_all(jobs: list[Any]) -> None:
+    """Run all jobs; on the first failure wait for the rest, then raise it."""
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r

@@ -1,0 +1,181 @@
+"""checkpoint, restore and `checkpoints ls|inspect|rm`: through the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from node_agent.cli import output
+from node_agent.cli.client import Client, CliError, pb, socket_path
+
+
+def _parse_options(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        key, sep, value = p.partition("=")
+        if not key:
+            raise CliError(f"bad --option {p!r}: expected KEY=VALUE", 2)
+        out[key] = value if sep else "true"
+    return out
+
+
+class _Progress:
+    """Progress lines on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def show(self, p: Any) -> None:
+        if not self.tty:
+            return
+        parts = [p.phase]
+        if p.containers_total:
+            parts.append(f"{p.containers_done}/{p.containers_total} containers")
+        if p.bytes_total:
+            parts.append(f"{output.human_size(p.bytes_done)}/{output.human_size(p.bytes_total)}")
+        if p.message:
+            parts.append(p.message)
+        sys.stderr.write("\r\033[K" + "  ".join(parts))
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    req = pb.CheckpointRequest(pod=args.pod, containers=args.container or [], options=_parse_options(args.option or []))
+    prog = _Progress()
+    result = None
+    with Client(socket_path(args.socket)) as c:
+        try:
+            for ev in c.stream("Checkpoint", req, timeout=args.timeout):
+                if ev.HasField("progress"):
+                    prog.show(ev.progress)
+                elif ev.HasField("result"):
+                    result = ev.result
+        finally:
+            prog.end()
+    if result is None:
+        raise CliError("the daemon ended the checkpoint without a result")
+    if args.output == "json":
+        output.emit(output.checkpoint_dict(result), "json")
+    else:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"pod {result.pod_namespace}/{result.pod_name} frozen for {result.frozen_ms:.0f} ms\n")
+        sys.stdout.write(result.id + "\n")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    req = pb.RestoreRequest(
+        checkpoint_id=args.checkpoint, namespace=args.namespace or "", name=args.name or "",
+        start=args.start, options=_parse_options(args.option or []), runtime_handler=args.runtime_handler or "",
+    )
+    prog = _Progress()
+    result = None
+    with Client(socket_path(args.socket)) as c:
+        try:
+            for ev in c.stream("Restore", req, timeout=args.timeout):
+                if ev.HasField("progress"):
+                    prog.show(ev.progress)
+                elif ev.HasField("result"):
+                    result = ev.result
+        finally:
+            prog.end()
+    if result is None:
+        raise CliError("the daemon ended the restore without a result")
+    if args.output == "json":
+        output.emit(output.as_dict(result), "json")
+    else:
+        sys.stdout.write(result.pod_sandbox_id + "\n")
+        for rc in result.containers:
+            sys.stdout.write(f"{rc.name} {rc.container_id}\n")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with Client(socket_path(args.socket)) as c:
+        resp = c.call("ListCheckpoints", pb.ListCheckpointsRequest(pod_namespace=args.namespace or ""))
+    items = [output.checkpoint_dict(i) for i in resp.checkpoints]
+    if args.output in ("json", "yaml"):
+        output.emit(items, args.output)
+        return 0
+    rows = [
+        [
+            i["id"][:19], f"{i['pod_namespace']}/{i['pod_name']}",
+            ",".join(c["name"] for c in i.get("containers", [])), i["created"][:19].replace("T", " "),
+            output.human_size(i["size"]), f"{i['frozen_ms']:.0f}",
+        ]
+        for i in items
+    ]
+    output.table(rows, ["ID", "POD", "CONTAINERS", "CREATED", "SIZE", "FROZEN_MS"])
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with Client(socket_path(args.socket)) as c:
+        info = c.call("InspectCheckpoint", pb.InspectCheckpointRequest(checkpoint_id=args.id))
+    d = output.checkpoint_dict(info)
+    if args.output in ("json", "yaml"):
+        output.emit(d, args.output)
+        return 0
+    for key in ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "created", "node", "criu_version"):
+        sys.stdout.write(f"{key + ':':16} {d.get(key, '')}\n")
+    sys.stdout.write(f"{'size:':16} {output.human_size(d['size'])} (stored {output.human_size(d['stored_size'])})\n")
+    sys.stdout.write(f"{'frozen_ms:':16} {d['frozen_ms']:.1f}\n")
+    sys.stdout.write(f"{'options:':16} {', '.join(f'{k}={v}' for k, v in sorted(d.get('options', {}).items())) or '-'}\n")
+    sys.stdout.write("containers:\n")
+    for c in d.get("containers", []):
+        sys.stdout.write(
+            f"  {c['name']}: image {c['image']}, {output.human_size(c['size'])}, dump {c['dump_ms']:.0f} ms, log {c['dump_log']}\n"
+        )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with Client(socket_path(args.socket)) as c:
+        resp = c.call("RemoveCheckpoint", pb.RemoveCheckpointRequest(checkpoint_id=args.id))
+    if args.output in ("json", "yaml"):
+        output.emit({"removed": resp.checkpoint_id}, args.output)
+    else:
+        sys.stdout.write(resp.checkpoint_id + "\n")
+    return 0
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("checkpoint", parents=[common], help="checkpoint a running pod")
+    p.add_argument("pod", help="sandbox ID, unique ID prefix, or NAMESPACE/NAME")
+    p.add_argument("--container", action="append", metavar="NAME", help="only this container (repeatable)")
+    p.add_argument("--option", action="append", metavar="K=V", help="checkpoint option, e.g. tcp-established=true")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole checkpoint")
+    p.add_argument("-o", "--output", choices=["id", "json"], default="id")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("restore", parents=[common], help="restore a checkpoint as a new pod")
+    p.add_argument("checkpoint", help="checkpoint ID (sha256:<hex>) or a unique prefix")
+    p.add_argument("--namespace", help="target namespace (default: the checkpoint's)")
+    p.add_argument("--name", help="target pod name (default: <name>-restored-<6 hex>)")
+    p.add_argument("--start", action="store_true", help="also start the restored containers")
+    p.add_argument("--option", action="append", metavar="K=V", help="restore option")
+    p.add_argument("--runtime-handler", help="runtime handler for the new sandbox")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS")
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("checkpoints", help="list, inspect and remove stored checkpoints")
+    csub = p.add_subparsers(dest="checkpoints_cmd", required=True)
+    q = csub.add_parser("ls", parents=[common], help="list checkpoints")
+    q.add_argument("--namespace", help="only this pod namespace")
+    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    q.set_defaults(func=cmd_ls)
+    q = csub.add_parser("inspect", parents=[common], help="show one checkpoint")
+    q.add_argument("id")
+    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    q.set_defaults(func=cmd_inspect)
+    q = csub.add_parser("rm", parents=[common], help="remove one checkpoint")
+    q.add_argument("id")
+    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    q.set_defaults(func=cmd_rm)

@@ -1,0 +1,168 @@
+"""Settings: every path, endpoint, timeout and policy in one frozen object.
+
+`load()` merges built-in defaults, an optional YAML config file and command
+line flags (in that order of precedence, flags last). Unknown config keys are
+rejected. No I/O besides reading the config file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from node_agent.errors import InvalidArgument
+
+DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines (seconds) for every kind of awaited call."""
+
+    cri_call: float = 30.0
+    checkpoint: float = 300.0
+    restore: float = 300.0
+    # The longest a pod may stay frozen; the watchdog thaws it after this
+    # even if the agent is alive but stuck.
+    max_freeze: float = 120.0
+    # Cleanup that must run (thaw, remove a half-made sandbox).
+    cleanup: float = 30.0
+    criu_rpc: float = 30.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    cri_endpoint: str = "unix:///run/containerd/containerd.sock"
+    socket: str = "/run/node-agent/agent.sock"
+    store: str = "/var/lib/node-agent"
+    runtime_handler: str = "criu"
+    runc_root: str = "/run/containerd/runc/k8s.io"
+    runc: str = "runc"
+    criu: str = "criu"
+    # Group (name or gid) allowed on the local socket besides root.
+    socket_group: str = ""
+    log_format: str = "text"
+    log_level: str = "info"
+    # Free bytes a restore leaves on the store's filesystem, beyond the
+    # checkpoint's own size.
+    min_free_bytes: int = 256 << 20
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    # Paths derived from the store; one place so the wrapper agrees.
+    @property
+    def journal_dir(self) -> str:
+        return os.path.join(self.store, "journal")
+
+    @property
+    def work_dir(self) -> str:
+        return os.path.join(self.store, "work")
+
+    @property
+    def plans_dir(self) -> str:
+        return os.path.join(self.store, "plans")
+
+    @property
+    def logs_dir(self) -> str:
+        return os.path.join(self.store, "logs")
+
+    @property
+    def bin_dir(self) -> str:
+        return os.path.join(self.store, "bin")
+
+    @property
+    def wrapper_path(self) -> str:
+        return os.path.join(self.bin_dir, "node-agent-runc")
+
+
+_TOP_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)}
+_TIMEOUT_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Timeouts)}
+_LOG_FORMATS = ("text", "json")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _coerce(name: str, value: Any, want: type) -> Any:
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"config key {name!r}: expected a number, got {value!r}")
+        if value <= 0:
+            raise InvalidArgument(f"config key {name!r}: must be positive, got {value!r}")
+        return float(value)
+    if want is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"config key {name!r}: expected a non-negative integer, got {value!r}")
+        return value
+    if not isinstance(value, str):
+        raise InvalidArgument(f"config key {name!r}: expected a string, got {value!r}")
+    return value
+
+
+def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Settings:
+    """Settings from a parsed config document; unknown keys are errors."""
+    base = base or Settings()
+    if not isinstance(data, Mapping):
+        raise InvalidArgument("config file: the top level must be a mapping")
+    changes: dict[str, Any] = {}
+    types = {f.name: f.type for f in dataclasses.fields(Settings)}
+    for key, value in data.items():
+        if key == "timeouts":
+            if not isinstance(value, Mapping):
+                raise InvalidArgument("config key 'timeouts' must be a mapping")
+            tchanges = {}
+            for tkey, tval in value.items():
+                if tkey not in _TIMEOUT_KEYS:
+                    raise InvalidArgument(
+                        f"unknown config key 'timeouts.{tkey}' (known: {', '.join(sorted(_TIMEOUT_KEYS))})"
+                    )
+                tchanges[_TIMEOUT_KEYS[tkey]] = _coerce(f"timeouts.{tkey}", tval, float)
+            changes["timeouts"] = dataclasses.replace(base.timeouts, **tchanges)
+            continue
+        if key not in _TOP_KEYS:
+            raise InvalidArgument(f"unknown config key {key!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+        attr = _TOP_KEYS[key]
+        want = int if types[attr] in ("int", int) else str
+        changes[attr] = _coerce(key, value, want)
+    return validate(dataclasses.replace(base, **changes))
+
+
+def validate(s: Settings) -> Settings:
+    for name in ("socket", "store", "runc_root"):
+        if not os.path.isabs(getattr(s, name)):
+            raise InvalidArgument(f"{name.replace('_', '-')} must be an absolute path, got {getattr(s, name)!r}")
+    if not s.cri_endpoint.startswith(("unix://", "unix:")) and ":" not in s.cri_endpoint:
+        raise InvalidArgument(f"cri-endpoint must be a unix:// URL or HOST:PORT, got {s.cri_endpoint!r}")
+    if s.log_format not in _LOG_FORMATS:
+        raise InvalidArgument(f"log-format must be one of {', '.join(_LOG_FORMATS)}")
+    if s.log_level not in _LOG_LEVELS:
+        raise InvalidArgument(f"log-level must be one of {', '.join(_LOG_LEVELS)}")
+    if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
+        raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
+    return s
+
+
+def load(path: str | None, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Defaults, then the YAML file at `path` (if given), then `overrides`.
+
+    `overrides` uses attribute names (cri_endpoint, ...); None values are
+    ignored so argparse namespaces can be passed through unchanged.
+    """
+    settings = Settings()
+    if path:
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise InvalidArgument(f"config file {path} is not valid YAML: {exc}") from exc
+        settings = from_mapping(data or {}, settings)
+    if overrides:
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+        if unknown:
+            raise InvalidArgument(f"unknown settings: {', '.join(sorted(unknown))}")
+        settings = dataclasses.replace(settings, **changes)
+    return validate(settings)

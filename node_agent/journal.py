@@ -1,0 +1,82 @@
+"""A durable record of operations in flight, for crash recovery.
+
+Before the agent freezes a pod or creates a sandbox it writes an entry here
+(fsynced), updates it as it goes, and removes it when the operation has put
+everything back. Whatever is left at start-up is an operation the agent did
+not finish: `recovery` thaws, kills and removes what such an entry names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    """One operation. `data` is JSON-shaped and grows as the operation goes."""
+
+    kind: str  # "checkpoint" or "restore"
+    op_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4))
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Journal:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+
+    def _path(self, op_id: str) -> str:
+        if not op_id or "/" in op_id or op_id.startswith("."):
+            raise ValueError(f"bad journal id {op_id!r}")
+        return os.path.join(self.directory, op_id + ".json")
+
+    def write(self, entry: Entry) -> None:
+        """Atomically replace the entry on disk, durably."""
+        path = self._path(entry.op_id)
+        tmp = path + ".tmp"
+        doc = {"kind": entry.kind, "op_id": entry.op_id, "pid": os.getpid(), "data": entry.data}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(doc, sort_keys=True).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def remove(self, entry: Entry) -> None:
+        try:
+            os.unlink(self._path(entry.op_id))
+        except FileNotFoundError:
+            pass
+
+    def pending(self) -> list[Entry]:
+        """Entries left behind, oldest first. Unreadable ones are logged and dropped."""
+        out = []
+        for name in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):
+                os.unlink(path)
+                continue
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    doc = json.load(fh)
+                out.append(Entry(kind=str(doc["kind"]), op_id=str(doc["op_id"]), data=dict(doc["data"])))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("dropping unreadable journal entry %s: %s", path, exc)
+                os.unlink(path)
+        return out

@@ -1,0 +1,97 @@
+"""Start-up recovery: finish what a previous agent process left undone.
+
+For each journal entry: a checkpoint is thawed, its runc/CRIU helpers are
+waited out (then killed) and its scratch files removed; a restore has its
+sandboxes and plans removed. Then stray scratch dirs and plans whose
+container is gone are cleared. Nothing here is published, so nothing here
+can leave a half-written checkpoint listed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import time
+
+from criu_bridge import freezer
+from criu_bridge.freezer import Freezer
+from criu_bridge.watchdog import alive, descendants
+from node_agent import errors
+from node_agent.config import Settings
+from node_agent.cri import CriClient
+from node_agent.journal import Journal
+from node_agent.restoring import undo_restore
+
+log = logging.getLogger(__name__)
+
+
+def _thaw(args: list[str]) -> None:
+    for arg in args:
+        try:
+            freezer.thaw(Freezer.from_arg(arg))
+        except (OSError, Exception) as exc:  # a container that is gone needs nothing
+            log.debug("thaw %s: %s", arg, exc)
+
+
+def _settle_helpers(helpers: list[dict[str, int]], freezers: list[str], grace: float) -> None:
+    """Wait for a dead agent's runc/CRIU helpers to end, thawing meanwhile; then kill."""
+    tracked = {int(h["pid"]): int(h["start"]) for h in helpers if h.get("start") is not None}
+    descendants(tracked)
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        _thaw(freezers)
+        descendants(tracked)
+        if not any(alive(p, s) for p, s in tracked.items()):
+            break
+        time.sleep(0.05)
+    for pid, start in tracked.items():
+        if alive(pid, start):
+            log.warning("killing leftover checkpoint helper %d", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    time.sleep(0.05)
+    _thaw(freezers)
+
+
+async def recover(settings: Settings, journal: Journal, cri: CriClient) -> int:
+    """Undo every unfinished operation; returns how many there were."""
+    entries = journal.pending()
+    for entry in entries:
+        data = entry.data
+        log.warning("recovering unfinished %s %s (%s)", entry.kind, entry.op_id, data.get("pod", "?"),
+                    extra={"phase": "recovery", "pod": data.get("pod", "")})
+        if entry.kind == "checkpoint":
+            freezers = [str(f) for f in data.get("freezers", [])]
+            await asyncio.to_thread(_settle_helpers, list(data.get("helpers", [])), freezers, settings.timeouts.cleanup)
+            work = data.get("work")
+            if isinstance(work, str) and os.path.realpath(work).startswith(os.path.realpath(settings.work_dir) + os.sep):
+                shutil.rmtree(work, ignore_errors=True)
+        elif entry.kind == "restore":
+            await undo_restore(cri, data, settings.timeouts.cleanup)
+        journal.remove(entry)
+    # Scratch space is only ever used by an operation in flight: none is now.
+    if os.path.isdir(settings.work_dir):
+        for name in os.listdir(settings.work_dir):
+            shutil.rmtree(os.path.join(settings.work_dir, name), ignore_errors=True)
+    await gc_plans(settings, cri)
+    return len(entries)
+
+
+async def gc_plans(settings: Settings, cri: CriClient) -> None:
+    """Remove restore plans whose container no longer exists."""
+    if not os.path.isdir(settings.plans_dir):
+        return
+    try:
+        live = {c.id for c in await cri.list_containers()}
+    except errors.AgentError as exc:
+        log.warning("cannot list containers to clean restore plans: %s", exc)
+        return
+    for name in os.listdir(settings.plans_dir):
+        cid = name.removesuffix(".materialize")
+        if cid not in live:
+            shutil.rmtree(os.path.join(settings.plans_dir, name), ignore_errors=True)

@@ -1,0 +1,329 @@
+"""Checkpoint to pod: sandbox, containers in CREATED, restore plans.
+
+Reads a verified checkpoint from the store, creates a new sandbox through
+CRI with the restore runtime handler, puts the pod's /dev/shm back, creates
+each container, and leaves a restore plan per container ID for the runtime
+wrapper (`criu_bridge.wrapper`), which turns the container's `create` into
+`runc restore` when someone calls StartContainer. Everything created is
+journalled and removed again on any error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from criu_bridge import rootfs
+from criu_bridge.errors import BridgeError, RuntimeFailure
+from criu_bridge.rpc import CriuClient
+from criu_bridge.wrapper import PLAN_FILE
+from node_agent import errors
+from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_progress, shm_source
+from node_agent.config import Settings
+from node_agent.cri import CriClient
+from node_agent.journal import Entry, Journal
+from node_agent.store import CheckpointRecord, Store
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
+RESTORE_OPTIONS = {"tcp-close"}
+RESTORED_FROM = "node-agent.io/restored-from"
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    checkpoint_id: str
+    namespace: str = ""
+    name: str = ""
+    start: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
+    runtime_handler: str = ""
+
+
+@dataclass(frozen=True)
+class RestoredPod:
+    pod_sandbox_id: str
+    namespace: str
+    name: str
+    uid: str
+    checkpoint_id: str
+    containers: tuple[tuple[str, str], ...]  # (name, container ID)
+    started: bool
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What a checkpoint says about its pod, checked as hostile input."""
+
+    namespace: str
+    name: str
+    pod_config: Mapping[str, Any]
+    containers: tuple[tuple[str, Mapping[str, Any], Mapping[str, Any]], ...]  # name, config.dump, spec
+    options: tuple[str, ...]
+
+
+def _check_name(what: str, value: str, rx: re.Pattern[str] = _NAME_RE) -> str:
+    if not isinstance(value, str) or not rx.fullmatch(value):
+        raise errors.InvalidArgument(f"{what} {value!r} is not a valid name")
+    return value
+
+
+def _read_json(store: Store, cid: str, path: str, limit: int = 16 << 20) -> Any:
+    with store.open(cid, path) as fh:
+        if fh.size > limit:
+            raise errors.DataLoss(f"checkpoint {cid}: {path} is larger than {limit} bytes")
+        data = fh.read(fh.size)
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise errors.DataLoss(f"checkpoint {cid}: {path} is not valid JSON: {exc}") from exc
+
+
+def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
+    meta = record.metadata
+    if not isinstance(meta, Mapping) or meta.get("kind") != METADATA_KIND:
+        raise errors.FailedPrecondition(f"{record.id} is not a pod checkpoint")
+    pod = meta.get("pod")
+    if not isinstance(pod, Mapping):
+        raise errors.DataLoss(f"checkpoint {record.id}: metadata has no pod")
+    ns = _check_name("checkpointed namespace", pod.get("namespace", ""))
+    name = _check_name("checkpointed pod name", pod.get("name", ""))
+    paths = {f.path for f in record.files}
+    pod_doc = _read_json(store, record.id, "pod/config.json")
+    if not isinstance(pod_doc, Mapping) or not isinstance(pod_doc.get("config"), Mapping):
+        raise errors.DataLoss(f"checkpoint {record.id}: pod/config.json has no config")
+    containers = []
+    entries = meta.get("containers")
+    if not isinstance(entries, list) or not entries:
+        raise errors.DataLoss(f"checkpoint {record.id}: metadata lists no containers")
+    for c in entries:
+        cname = _check_name("checkpointed container name", c.get("name", "") if isinstance(c, Mapping) else "", _CONTAINER_NAME_RE)
+        base = f"containers/{cname}"
+        if f"{base}/config.dump" not in paths or f"{base}/spec.dump" not in paths:
+            raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has no config.dump or spec.dump")
+        cfg = _read_json(store, record.id, f"{base}/config.dump")
+        spec = _read_json(store, record.id, f"{base}/spec.dump", limit=64 << 20)
+        if not isinstance(cfg, Mapping) or not isinstance(cfg.get("config"), Mapping) or not isinstance(spec, Mapping):
+            raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has a malformed config.dump or spec.dump")
+        containers.append((cname, cfg, spec))
+    if len({c[0] for c in containers}) != len(containers):
+        raise errors.DataLoss(f"checkpoint {record.id}: container names repeat")
+    opts = meta.get("options") or {}
+    if not isinstance(opts, Mapping):
+        raise errors.DataLoss(f"checkpoint {record.id}: malformed options")
+    return _Saved(ns, name, pod_doc["config"], tuple(containers), tuple(sorted(k for k, v in opts.items() if v == "true")))
+
+
+def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkpoint_id: str) -> dict[str, Any]:
+    cfg = json.loads(json.dumps(saved.pod_config))
+    old_meta = cfg.get("metadata") or {}
+    cfg["metadata"] = {"name": name, "namespace": namespace, "uid": uid, "attempt": 0}
+    old_logdir = str(cfg.get("log_directory") or "")
+    if old_logdir:
+        cfg["log_directory"] = os.path.join(os.path.dirname(old_logdir.rstrip("/")), f"{namespace}_{name}_{uid}")
+    if cfg.get("hostname") in (old_meta.get("name"), None, ""):
+        cfg["hostname"] = name[:63]
+    ann = dict(cfg.get("annotations") or {})
+    ann[RESTORED_FROM] = checkpoint_id
+    cfg["annotations"] = ann
+    return cfg
+
+
+class Restorer:
+    def __init__(self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient) -> None:
+        self.settings = settings
+        self.cri = cri
+        self.store = store
+        self.journal = journal
+        self.criu = criu
+
+    async def restore(
+        self, req: RestoreRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
+    ) -> RestoredPod:
+        for key in req.options:
+            if key not in RESTORE_OPTIONS:
+                raise errors.InvalidArgument(
+                    f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
+                )
+        timeout = timeout if timeout is not None else self.settings.timeouts.restore
+        phase = ["verify"]
+        entry = Entry("restore", data={"sandboxes": [], "plans": []})
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._run(req, entry, phase, progress)
+        except TimeoutError as exc:
+            await asyncio.shield(self._undo(entry))
+            raise errors.DeadlineExceeded(
+                f"restore of {req.checkpoint_id}: the deadline ({timeout:g}s) passed during {phase[0]}; "
+                "everything it created was removed"
+            ) from exc
+        except BaseException:
+            await asyncio.shield(self._undo(entry))
+            raise
+        finally:
+            self.journal.remove(entry)
+
+    async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
+        record = await asyncio.to_thread(self.store.get, req.checkpoint_id)
+        progress(Progress("verify", message=record.id))
+        bad = await asyncio.to_thread(self.store.verify, record.id)
+        if bad:
+            raise errors.DataLoss(
+                f"checkpoint {record.id} failed verification ({len(bad)} bad blob(s), e.g. {bad[0]}); not restoring it"
+            )
+        saved = await asyncio.to_thread(load_saved, self.store, record)
+        namespace = _check_name("namespace", req.namespace) if req.namespace else saved.namespace
+        name = _check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
+        uid = str(uuid.uuid4())
+        where = f"{namespace}/{name}"
+        handler = req.runtime_handler or self.settings.runtime_handler
+
+        phase[0] = "preflight"
+        progress(Progress("preflight", message=where))
+        await self._preflight(record, saved)
+
+        phase[0] = "sandbox"
+        entry.data.update({"checkpoint": record.id, "pod": where})
+        self.journal.write(entry)
+        pod_config = target_pod_config(saved, namespace, name, uid, record.id)
+        progress(Progress("sandbox", 0, len(saved.containers), message=where))
+        pod_id = await self.cri.run_pod(pod_config, handler)
+        entry.data["sandboxes"].append(pod_id)
+        self.journal.write(entry)
+        await self._restore_shm(record, pod_id, where)
+
+        created: list[tuple[str, str]] = []
+        for i, (cname, cfg, _spec) in enumerate(saved.containers):
+            phase[0] = f"create {cname}"
+            ccfg = dict(cfg["config"])
+            ccfg["metadata"] = {"name": cname, "attempt": 0}
+            cid = await self.cri.create_container(pod_id, ccfg, pod_config)
+            plan_dir = os.path.join(self.settings.plans_dir, cid)
+            entry.data["plans"].append(plan_dir)
+            self.journal.write(entry)
+            await asyncio.to_thread(
+                self._write_plan, record, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
+            )
+            created.append((cname, cid))
+            progress(Progress("create", i + 1, len(saved.containers), message=cname))
+
+        started = False
+        if req.start:
+            for i, (cname, cid) in enumerate(created):
+                phase[0] = f"start {cname}"
+                try:
+                    await self.cri.start_container(cid)
+                except errors.AgentError as exc:
+                    raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
+                progress(Progress("start", i + 1, len(created), message=cname))
+            started = True
+        log.info("checkpoint %s restored as pod %s (%s)", record.id, where, pod_id[:13],
+                 extra={"pod": where, "checkpoint": record.id, "phase": "restored"})
+        # Success: the journal entry goes, so recovery leaves the pod alone.
+        entry.data = {}
+        return RestoredPod(pod_id, namespace, name, uid, record.id, tuple(created), started)
+
+    async def _preflight(self, record: CheckpointRecord, saved: _Saved) -> None:
+        for cname, cfg, _ in saved.containers:
+            image = str((cfg["config"].get("image") or {}).get("image") or cfg.get("rootfsImageName") or "")
+            if not image:
+                raise errors.DataLoss(f"checkpoint {record.id}: container {cname} names no image")
+            if not await self.cri.image_present(image):
+                raise errors.FailedPrecondition(
+                    f"restore of {record.id}: image {image} (container {cname}) is not present on this node"
+                )
+        os.makedirs(self.settings.plans_dir, mode=0o700, exist_ok=True)
+        st = os.statvfs(self.settings.plans_dir)
+        free = st.f_bavail * st.f_frsize
+        need = record.size + self.settings.min_free_bytes
+        if free < need:
+            raise errors.ResourceExhausted(
+                f"restore of {record.id}: {free >> 20} MiB free under {self.settings.plans_dir}, need {need >> 20} MiB"
+            )
+        tmp = os.path.join(self.settings.work_dir, "cpuinfo-" + secrets.token_hex(4))
+        os.makedirs(tmp, mode=0o700)
+        try:
+            await asyncio.to_thread(self.store.materialize, record.id, tmp, prefix="pod/cpuinfo")
+            try:
+                await self.criu.cpuinfo_check(os.path.join(tmp, "pod", "cpuinfo"))
+            except RuntimeFailure as exc:
+                raise errors.FailedPrecondition(
+                    f"restore of {record.id}: this node's CPU lacks features the checkpoint's processes use: "
+                    + "; ".join(exc.decisive)
+                ) from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _restore_shm(self, record: CheckpointRecord, pod_id: str, where: str) -> None:
+        if not any(f.path == "pod/devshm.tar" for f in record.files):
+            return
+        detail = await self.cri.pod_status(pod_id)
+        target = shm_source(detail.spec)
+        if not target or not os.path.isdir(target):
+            raise errors.FailedPrecondition(f"restore as pod {where}: cannot find the new sandbox's /dev/shm")
+        tmp = os.path.join(self.settings.work_dir, "shm-" + secrets.token_hex(4))
+        os.makedirs(tmp, mode=0o700)
+        try:
+            await asyncio.to_thread(self.store.materialize, record.id, tmp, prefix="pod/devshm.tar")
+            deleted = None
+            try:
+                await asyncio.to_thread(rootfs.apply_diff, target, os.path.join(tmp, "pod", "devshm.tar"), deleted)
+            except BridgeError as exc:
+                raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_plan(self, record: CheckpointRecord, cname: str, plan_dir: str, where: str, options: tuple[str, ...]) -> None:
+        os.makedirs(plan_dir, mode=0o700)
+        tmp = plan_dir + ".materialize"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp, mode=0o700)
+        try:
+            base = f"containers/{cname}"
+            self.store.materialize(record.id, tmp, prefix=base)
+            src = os.path.join(tmp, *base.split("/"))
+            os.replace(os.path.join(src, "checkpoint"), os.path.join(plan_dir, "images"))
+            for fname in ("rootfs-diff.tar", "deleted.files", "opaque.dirs"):
+                if os.path.exists(os.path.join(src, fname)):
+                    os.replace(os.path.join(src, fname), os.path.join(plan_dir, fname))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options)}
+        path = os.path.join(plan_dir, PLAN_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(plan, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(path + ".tmp", path)
+
+    async def _undo(self, entry: Entry) -> None:
+        """Remove every sandbox and plan this restore created."""
+        await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
+
+
+async def undo_restore(cri: CriClient, data: Mapping[str, Any], timeout: float) -> None:
+    for pod_id in data.get("sandboxes", []):
+        try:
+            async with asyncio.timeout(timeout):
+                try:
+                    await cri.stop_pod(pod_id)
+                except errors.NotFound:
+                    pass
+                await cri.remove_pod(pod_id)
+        except errors.NotFound:
+            pass
+        except (errors.AgentError, TimeoutError) as exc:
+            log.error("cannot remove sandbox %s of a failed restore: %s", pod_id[:13], exc)
+    for plan_dir in data.get("plans", []):
+        if isinstance(plan_dir, str) and os.path.isabs(plan_dir):
+            shutil.rmtree(plan_dir, ignore_errors=True)

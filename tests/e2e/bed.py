@@ -1,0 +1,300 @@
+"""Test-bed helpers: a private containerd "node", the agent, and pods on it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+from node_agent.cri import CriClient
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+NODE_AGENT = str(VENV_BIN / "node-agent")
+T = TypeVar("T")
+
+
+def run(coro_fn: Callable[[CriClient], Awaitable[T]], endpoint: str) -> T:
+    async def go() -> T:
+        cri = CriClient(endpoint, timeout=60)
+        try:
+            return await coro_fn(cri)
+        finally:
+            await cri.close()
+
+    return asyncio.run(go())
+
+
+@dataclass
+class Bed:
+    name: str
+    info: dict[str, Any]
+    store: str
+    socket: str
+    config: str
+    handler: str = "criu"
+    agent: subprocess.Popen[bytes] | None = None
+    agent_log: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return "unix://" + self.info["containerd_socket"]
+
+    @property
+    def runc_root(self) -> str:
+        return str(self.info["runc_root"])
+
+    def cri(self, fn: Callable[[CriClient], Awaitable[T]]) -> T:
+        return run(fn, self.endpoint)
+
+    def cli(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, NODE_AGENT_SOCKET=self.socket)
+        cp = subprocess.run([NODE_AGENT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        if check and cp.returncode != 0:
+            raise AssertionError(f"node-agent {' '.join(args)} exited {cp.returncode}:\n{cp.stderr}\n{cp.stdout}")
+        return cp
+
+    # ---- the agent ---------------------------------------------------------
+
+    def start_agent(self) -> None:
+        assert self.agent is None or self.agent.poll() is not None
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        logf = open(self.agent_log, "ab")
+        self.agent = subprocess.Popen(
+            [NODE_AGENT, "serve", "--config", self.config], stdout=logf, stderr=logf, start_new_session=True
+        )
+        logf.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.agent.poll() is not None:
+                raise AssertionError(f"node-agent serve exited {self.agent.returncode}:\n{self.tail_log()}")
+            if os.path.exists(self.socket) and self._socket_answers():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"node-agent serve did not come up:\n{self.tail_log()}")
+
+    def _socket_answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(self.socket)
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def kill_agent(self) -> None:
+        if self.agent and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGKILL)
+            self.agent.wait()
+
+    def stop_agent(self) -> None:
+        if self.agent and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(60)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+                self.agent.wait()
+
+    def tail_log(self, n: int = 60) -> str:
+        try:
+            with open(self.agent_log, encoding="utf-8", errors="replace") as fh:
+                return "".join(fh.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def testbed(*args: str, timeout: float = 600) -> str:
+    cp = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "testbed"), *args], capture_output=True, text=True, timeout=timeout
+    )
+    if cp.returncode != 0:
+        raise AssertionError(f"scripts/testbed {' '.join(args)} failed ({cp.returncode}):\n{cp.stderr}\n{cp.stdout}")
+    return cp.stdout
+
+
+def bring_up(name: str, workdir: Path) -> Bed:
+    """A test bed named `name` with the agent's restore handler, and the agent's config."""
+    store = str(workdir / "store")
+    sock = str(workdir / "agent.sock")
+    runc_root = f"/run/node-agent-testbed/{name}/runc/k8s.io"
+    config = workdir / "agent.yaml"
+    endpoint = f"unix:///run/node-agent-testbed/{name}/containerd.sock"
+    config.write_text(
+        "\n".join([
+            f"cri-endpoint: {endpoint}", f"socket: {sock}", f"store: {store}", f"runc-root: {runc_root}",
+            "runtime-handler: criu", "log-level: debug",
+        ]) + "\n"
+    )
+    snippet = workdir / "handler.toml"
+    cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config)], capture_output=True, text=True)
+    if cp.returncode != 0:
+        raise AssertionError(f"containerd-config failed: {cp.stderr}")
+    snippet.write_text(cp.stdout)
+    info = json.loads(testbed("up", name, "--handler-snippet", str(snippet)))
+    assert info["runc_root"] == runc_root, info
+    return Bed(name=name, info=info, store=store, socket=sock, config=str(config), agent_log=str(workdir / "agent.log"))
+
+
+# ---- pods --------------------------------------------------------------------
+
+SHELL_COUNTER = (
+    "i=0; exec 3>>/data/count.log; exec 4>>/dev/shm/{name}.count; "
+    "while :; do i=$((i+1)); echo tick $i; echo $i >&3; echo $i >&4; sleep 0.2; done"
+)
+
+
+@dataclass
+class PodHandle:
+    bed: Bed
+    id: str
+    namespace: str
+    name: str
+    uid: str
+    log_dir: str
+    containers: dict[str, str] = field(default_factory=dict)  # name -> id
+
+
+def pod_config(bed: Bed, namespace: str, name: str) -> dict[str, Any]:
+    uid = str(uuid.uuid4())
+    log_dir = os.path.join(bed.info["pod_log_root"], f"{namespace}_{name}_{uid}")
+    os.makedirs(log_dir, exist_ok=True)
+    return {
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "attempt": 0},
+        "hostname": name,
+        "log_directory": log_dir,
+        "labels": {"app": "e2e"},
+        "linux": {"security_context": {"namespace_options": {"network": 0, "pid": 1, "ipc": 0}}},
+    }
+
+
+def container_config(name: str, image: str, command: list[str], *, devices: list[dict[str, str]] | None = None,
+                     mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "metadata": {"name": name, "attempt": 0},
+        "image": {"image": image},
+        "command": command,
+        "log_path": f"{name}/0.log",
+        "linux": {},
+    }
+    if devices:
+        cfg["devices"] = devices
+    if mounts:
+        cfg["mounts"] = mounts
+    return cfg
+
+
+def make_pod(bed: Bed, namespace: str, containers: list[dict[str, Any]], name: str | None = None,
+             handler: str = "") -> PodHandle:
+    name = name or f"p-{secrets.token_hex(3)}"
+    pcfg = pod_config(bed, namespace, name)
+    for c in containers:
+        os.makedirs(os.path.join(pcfg["log_directory"], c["metadata"]["name"]), exist_ok=True)
+
+    async def go(cri: CriClient) -> PodHandle:
+        pod_id = await cri.run_pod(pcfg, handler)
+        h = PodHandle(bed, pod_id, namespace, name, pcfg["metadata"]["uid"], pcfg["log_directory"])
+        for c in containers:
+            cid = await cri.create_container(pod_id, c, pcfg)
+            await cri.start_container(cid)
+            h.containers[c["metadata"]["name"]] = cid
+        return h
+
+    return bed.cri(go)
+
+
+def counter_pod(bed: Bed, namespace: str, *, mib: int = 16, name: str | None = None) -> PodHandle:
+    imgs = bed.info["images"]
+    return make_pod(bed, namespace, [
+        container_config("shell", imgs["busybox"], ["sh", "-c", SHELL_COUNTER.format(name="shell")]),
+        container_config("server", imgs["memhog"], [
+            "/usr/local/bin/memhog", "--mib", str(mib), "--port", "8080", "--file", "/data/memhog.log",
+            "--shm", "/dev/shm/server.count", "--interval-ms", "100",
+        ]),
+    ], name=name)
+
+
+def remove_pod(bed: Bed, pod_id: str) -> None:
+    async def go(cri: CriClient) -> None:
+        try:
+            await cri.stop_pod(pod_id)
+            await cri.remove_pod(pod_id)
+        except Exception:  # noqa: BLE001 - best-effort teardown
+            pass
+
+    bed.cri(go)
+
+
+def pods_in(bed: Bed, namespace: str) -> list[Any]:
+    return bed.cri(lambda cri: _list(cri, namespace))
+
+
+async def _list(cri: CriClient, namespace: str) -> list[Any]:
+    return [p for p in await cri.list_pods() if p.namespace == namespace]
+
+
+def container_detail(bed: Bed, cid: str) -> Any:
+    return bed.cri(lambda cri: cri.container_status(cid))
+
+
+def pod_detail(bed: Bed, pod_id: str) -> Any:
+    return bed.cri(lambda cri: cri.pod_status(pod_id))
+
+
+def ticks(path: str) -> list[int]:
+    """The `tick N` values in a CRI log file (or a plain counter file)."""
+    out = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split()
+                if "tick" in parts:
+                    i = parts.index("tick")
+                    if i + 1 < len(parts) and parts[i + 1].isdigit():
+                        out.append(int(parts[i + 1]))
+                elif len(parts) == 1 and parts[0].isdigit():
+                    out.append(int(parts[0]))
+    except OSError:
+        pass
+    return out
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 30, what: str = "condition", interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def freezer_state(pid: int) -> str:
+    from criu_bridge import freezer
+
+    return freezer.state(freezer.freezer_of(pid))
+
+
+def ask(ip: str, port: int = 8080, timeout: float = 10) -> str:
+    with socket.create_connection((ip, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode().strip()
