@@ -110,7 +110,7 @@ def log_error(call: Call, msg: str) -> None:
         return
     try:
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(format_runc_log_line("error", msg) + "\n")
+            fh.write(format_runc_log_line("error", msg))
     except OSError:
         pass
 

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node_agent.config import Settings, load
+from node_agent.errors import InvalidArgument
+
+
+def test_defaults_match_the_documented_flags() -> None:
+    s = Settings()
+    assert s.cri_endpoint == "unix:///run/containerd/containerd.sock"
+    assert s.socket == "/run/node-agent/agent.sock"
+    assert s.store == "/var/lib/node-agent"
+    assert s.runtime_handler == "criu"
+    assert s.runc_root == "/run/containerd/runc/k8s.io"
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("store: /srv/na\nruntime-handler: restore\ntimeouts:\n  max-freeze: 5\n")
+    s = load(str(cfg), {"runtime_handler": "other", "socket": None})
+    assert s.store == "/srv/na"
+    assert s.runtime_handler == "other"
+    assert s.timeouts.max_freeze == 5.0
+    assert s.plans_dir == "/srv/na/plans"
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("bogus: 1\n", "unknown config key 'bogus'"),
+        ("timeouts:\n  nope: 1\n", "timeouts.nope"),
+        ("store: relative/dir\n", "absolute"),
+        ("timeouts:\n  checkpoint: -1\n", "positive"),
+        ("log-format: xml\n", "log-format"),
+        ("- a\n- b\n", "mapping"),
+        ("runtime-handler: 'a b'\n", "handler"),
+        ("min-free-bytes: lots\n", "integer"),
+    ],
+)
+def test_bad_config_is_refused(tmp_path: Path, text: str, needle: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(InvalidArgument, match=needle):
+        load(str(cfg))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        load(str(tmp_path / "absent.yaml"))

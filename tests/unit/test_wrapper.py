@@ -1,0 +1,137 @@
+"""The restore handler's OCI runtime wrapper, against a recording fake runc."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from criu_bridge import wrapper
+from criu_bridge.wrapper import Call
+
+CID = "a" * 64
+
+
+def test_call_parsing() -> None:
+    c = Call(["--root", "/r", "--log", "/b/log.json", "--log-format", "json", "create", "--bundle", "/b",
+              "--pid-file", "/b/init.pid", CID])
+    assert c.command == "create" and c.container_id == CID
+    assert c.global_value("--log") == "/b/log.json"
+    assert c.option("--bundle", "-b") == "/b"
+    c = Call(["--root=/r", "delete", "--force", CID])
+    assert c.command == "delete" and c.container_id == CID and c.global_value("--root") == "/r"
+    assert Call(["--version"]).command == ""
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, Path]:
+    """A fake runc that records its argv, a bundle with a rootfs, and a launcher."""
+    record = tmp_path / "runc-argv.json"
+    fake = tmp_path / "runc"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > {record}\n'
+        'if [ -n "$FAKE_RUNC_FAIL" ]; then\n'
+        '  for a in "$@"; do case "$prev" in --work-path) mkdir -p "$a"; echo "(00.1) Error (criu/files-reg.c:1): Can\'t open file vol/held.txt on restore: No such file or directory" > "$a/restore.log";; esac; prev="$a"; done\n'
+        "  exit 1\nfi\nexit 0\n"
+    )
+    fake.chmod(0o755)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs" / "etc").mkdir(parents=True)
+    (bundle / "rootfs" / "etc" / "gone").write_text("x")
+    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}}))
+    launcher = tmp_path / "bin" / "node-agent-runc"
+    assert wrapper.install(str(launcher), python=sys.executable, runc=str(fake), plans_dir=str(plans))
+    assert not wrapper.install(str(launcher), python=sys.executable, runc=str(fake), plans_dir=str(plans))
+    return {"record": record, "fake": fake, "plans": plans, "bundle": bundle, "launcher": launcher, "tmp": tmp_path}
+
+
+def _run(env: dict[str, Path], *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(env["launcher"]), *args], capture_output=True, text=True,
+                          env=dict(os.environ, **(extra_env or {})), cwd=str(env["bundle"]))
+
+
+def _argv(env: dict[str, Path]) -> list[str]:
+    return env["record"].read_text().splitlines()
+
+
+def _plan(env: dict[str, Path]) -> Path:
+    d = env["plans"] / CID
+    (d / "images").mkdir(parents=True)
+    (d / "images" / "inventory.img").write_bytes(b"x")
+    with tarfile.open(d / "rootfs-diff.tar", "w") as tf:
+        data = env["tmp"] / "payload"
+        data.write_text("restored content")
+        tf.add(str(data), arcname="data/count.log")
+    (d / "deleted.files").write_text(json.dumps(["etc/gone"]))
+    (d / "plan.json").write_text(json.dumps({"version": 1, "pod": "ns/p", "container": "app",
+                                             "options": ["tcp-established"]}))
+    return d
+
+
+def test_containers_without_a_plan_pass_straight_through(env: dict[str, Path]) -> None:
+    args = ["--root", "/r", "create", "--bundle", str(env["bundle"]), "--pid-file", "/p", CID]
+    assert _run(env, *args).returncode == 0
+    assert _argv(env) == args
+    assert _run(env, "--root", "/r", "state", CID).returncode == 0
+    assert _argv(env) == ["--root", "/r", "state", CID]
+
+
+def test_create_with_a_plan_restores(env: dict[str, Path]) -> None:
+    d = _plan(env)
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle", str(env["bundle"]),
+             "--pid-file", "/b/init.pid", "--no-new-keyring", CID)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    argv = _argv(env)
+    assert argv[:7] == ["--root", "/r", "--log", str(log), "--log-format", "json", "restore"]
+    assert "--detach" in argv and "--tcp-established" in argv and "--no-new-keyring" not in argv
+    assert argv[argv.index("--image-path") + 1] == str(d / "images")
+    assert argv[argv.index("--bundle") + 1] == str(env["bundle"])
+    assert argv[argv.index("--pid-file") + 1] == "/b/init.pid"
+    assert argv[-1] == CID
+    rootfs = env["bundle"] / "rootfs"
+    assert (rootfs / "data" / "count.log").read_text() == "restored content"
+    assert not (rootfs / "etc" / "gone").exists()
+    assert (d / "restored").exists() and not (d / "images").exists()
+    # start is then a no-op; delete passes through and removes the plan.
+    env["record"].unlink()
+    assert _run(env, "--root", "/r", "start", CID).returncode == 0
+    assert not env["record"].exists()
+    assert _run(env, "--root", "/r", "delete", "--force", CID).returncode == 0
+    assert _argv(env) == ["--root", "/r", "delete", "--force", CID]
+    assert not d.exists()
+
+
+def test_a_failed_restore_names_pod_container_phase_and_criu_line(env: dict[str, Path]) -> None:
+    _plan(env)
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+             str(env["bundle"]), CID, extra_env={"FAKE_RUNC_FAIL": "1"})
+    assert r.returncode != 0
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["level"] == "error"
+    for needle in ("ns/p", "container app", "phase restore", "vol/held.txt", "restore.log"):
+        assert needle in last["msg"], last["msg"]
+
+
+def test_a_hostile_diff_is_refused_before_restore(env: dict[str, Path]) -> None:
+    d = _plan(env)
+    with tarfile.open(d / "rootfs-diff.tar", "w") as tf:
+        info = tarfile.TarInfo("../../escape")
+        info.size = 0
+        tf.addfile(info)
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode != 0
+    assert not env["record"].exists(), "runc must not run after a refused diff"
+    assert "phase rootfs" in log.read_text()
+    assert not (env["tmp"] / "escape").exists()
