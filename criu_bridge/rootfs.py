@@ -1019,6 +1019,10 @@ class _TarReader:
         m.linkname = link
         m.xattrs = xattrs
         if kind == _FILE:
+            if size > self.limits.max_file_bytes:
+                raise LimitExceeded(
+                    f"tar member {shown}: larger than max_file_bytes={self.limits.max_file_bytes}"
+                )
             m.size = size
             m.offset = self.pos
             if self.pos + size > self.size:
