@@ -45,13 +45,16 @@ from .errors import BridgeError, InvalidInput, LimitExceeded
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-    from typing import Any, Self
+    from collections.abc import Callable, Iterable
+    from typing import Any, Self, TypeVar
+
+    _T = TypeVar("_T")
 
 OPAQUE_DIRS_NAME = "opaque.dirs"
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
+_HIGH_BYTES = bytes(range(128, 256))
 _CHUNK = 1 << 20  # copy unit for file content
 _SMALL_FILE = 256 << 10  # files up to this size are read into the write buffer
 _MAX_META_BYTES = 1 << 20  # PAX header or GNU long name data
@@ -834,7 +837,7 @@ def _octal(field: bytes, what: str) -> int:
     text = field.split(b"\0", 1)[0].strip(b" ")
     if not text:
         return 0
-    if any(c < 0x30 or c > 0x37 for c in text):
+    if text.translate(None, b"01234567"):
         raise InvalidInput(f"bad {what} field {field!r} in tar header")
     return int(text, 8)
 
@@ -936,10 +939,13 @@ class _TarReader:
             if block == _ZERO_BLOCK:
                 return None
             stored = _octal(block[148:156], "checksum")
-            unsigned = sum(block[:148]) + 256 + sum(block[156:])
-            signed = unsigned - 256 * sum(1 for b in block[:148] + block[156:] if b > 127)
-            if stored not in (unsigned, signed):
-                raise InvalidInput("tar header checksum mismatch")
+            unsigned = sum(block) - sum(block[148:156]) + 256
+            if stored != unsigned:
+                # Some old writers summed signed bytes.
+                rest = block[:148] + block[156:]
+                high = len(rest) - len(rest.translate(None, _HIGH_BYTES))
+                if stored != unsigned - 256 * high:
+                    raise InvalidInput("tar header checksum mismatch")
             typeflag = block[156:157]
             size = _octal(block[124:136], "size")
             if typeflag in (b"x", b"g", b"L", b"K"):
@@ -1349,6 +1355,14 @@ class _Applier:
         self._remove(parent, name, st)
         return False
 
+    def _make(self, parent: int, name: bytes, make: Callable[[], _T]) -> _T:
+        """Create an entry; if something is in the way, remove it and retry once."""
+        try:
+            return make()
+        except FileExistsError:
+            self._clear(parent, name, keep_dir=False)
+            return make()
+
     def _create(
         self,
         m: _Member,
@@ -1362,14 +1376,16 @@ class _Applier:
         name = parts[-1]
         mtime = (m.mtime_ns, m.mtime_ns)
         if m.kind == _DIR:
-            if not self._clear(parent, name, keep_dir=True):
+            try:
                 os.mkdir(name, 0o700, dir_fd=parent)
+            except FileExistsError:
+                if not self._clear(parent, name, keep_dir=True):
+                    os.mkdir(name, 0o700, dir_fd=parent)
             if key not in self.dir_meta:
                 s.dirs += 1
             self.dir_meta[key] = (parts, m)
         elif m.kind == _FILE:
-            self._clear(parent, name, keep_dir=False)
-            fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=parent)
+            fd = self._make(parent, name, lambda: os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=parent))
             try:
                 self._copy(tar_fd, fd, m, key)
                 self._set_meta(fd, m, regular=True)
@@ -1378,24 +1394,27 @@ class _Applier:
             self.extracted.add(key)
             s.files += 1
         elif m.kind == _SYMLINK:
-            self._clear(parent, name, keep_dir=False)
-            os.symlink(m.linkname, name, dir_fd=parent)
+            self._make(parent, name, lambda: os.symlink(m.linkname, name, dir_fd=parent))
             os.chown(name, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
             os.utime(name, ns=mtime, dir_fd=parent, follow_symlinks=False)
             s.symlinks += 1
         elif m.kind == _HARDLINK:
-            self._clear(parent, name, keep_dir=False)
             src_parent = self._open_path(target[:-1])
             try:
-                os.link(target[-1], name, src_dir_fd=src_parent, dst_dir_fd=parent, follow_symlinks=False)
+                self._make(
+                    parent,
+                    name,
+                    lambda: os.link(
+                        target[-1], name, src_dir_fd=src_parent, dst_dir_fd=parent, follow_symlinks=False
+                    ),
+                )
             finally:
                 if src_parent != self.root_fd:
                     os.close(src_parent)
             self.extracted.add(key)
             s.hardlinks += 1
         elif m.kind == _FIFO:
-            self._clear(parent, name, keep_dir=False)
-            os.mkfifo(name, 0o600, dir_fd=parent)
+            self._make(parent, name, lambda: os.mkfifo(name, 0o600, dir_fd=parent))
             fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
             try:
                 if not stat.S_ISFIFO(os.fstat(fd).st_mode):

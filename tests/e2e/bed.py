@@ -176,7 +176,10 @@ def pod_config(bed: Bed, namespace: str, name: str) -> dict[str, Any]:
         "hostname": name,
         "log_directory": log_dir,
         "labels": {"app": "e2e"},
-        "linux": {"security_context": {"namespace_options": {"network": 0, "pid": 1, "ipc": 0}}},
+        "linux": {
+            "cgroup_parent": bed.info["cgroup_parent"],
+            "security_context": {"namespace_options": {"network": 0, "pid": 1, "ipc": 0}},
+        },
     }
 
 

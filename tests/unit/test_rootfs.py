@@ -735,20 +735,27 @@ def test_deleted_files_bounds(box: dict[str, Path]) -> None:
 # ---------------------------------------------------------------------------
 # property: nothing is ever created outside the rootfs
 
-COMPONENTS = ["a", "b", "..", ".", "", "c d", "\u00e9", "outside", "victim"]
-path_strategy = st.lists(st.sampled_from(COMPONENTS), min_size=1, max_size=5).map("/".join) | st.lists(
-    st.sampled_from(COMPONENTS), min_size=1, max_size=4
-).map(lambda parts: "/" + "/".join(parts))
+# Mostly harmless components, so that many archives get applied and the
+# symlink cases are reached; "..", "" and a leading "/" now and then.
+COMPONENTS = ["a", "b", "outside", "victim", "c d", "\u00e9", "."] * 4 + ["..", ""]
+path_strategy = st.builds(
+    lambda lead, parts: lead + "/".join(parts),
+    st.sampled_from([""] * 9 + ["/"]),
+    st.lists(st.sampled_from(COMPONENTS), min_size=1, max_size=4),
+)
+link_strategy = path_strategy | st.sampled_from(
+    ["..", "../..", "../outside", "/", "../../outside/victim", "/etc/passwd"]
+)
 member_strategy = st.tuples(
-    st.sampled_from(["file", "dir", "symlink", "hardlink", "fifo"]),
+    st.sampled_from(["file", "dir", "symlink", "symlink", "hardlink", "fifo"]),
     path_strategy,
-    st.sampled_from(["..", "../..", "../outside", "/", "a", "a/b", "../../outside/victim", "outside"]),
+    link_strategy,
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(members=st.lists(member_strategy, min_size=1, max_size=8),
-       deleted=st.lists(path_strategy, max_size=3),
+       deleted=st.lists(path_strategy, max_size=2),
        preexisting=st.booleans())
 def test_nothing_escapes_rootfs(members: list[tuple[str, str, str]], deleted: list[str], preexisting: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -789,7 +796,7 @@ def test_records_are_frozen_values() -> None:
     assert hash(limits) == hash(DiffLimits(max_entries=5))
     assert limits.replace(max_entries=6).max_entries == 6
     with pytest.raises(AttributeError):
-        limits.max_entries = 1  # type: ignore[misc]
+        setattr(limits, "max_entries", 1)
     with pytest.raises(ValueError):
         DiffLimits(max_entries=-1)
     stats = DiffStats(1, 2, 3, 4, 5, 6, 7, ("x: socket",))
