@@ -57,6 +57,14 @@ def proc_ppid(pid: int) -> int | None:
         return None
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int, start: int) -> bool:
     return proc_starttime(pid) == start
 
@@ -81,6 +89,34 @@ def descendants(tracked: dict[int, int]) -> None:
                     changed = True
 
 
+def holders(work_dir: str) -> dict[int, int]:
+    """Processes with a file, directory or cwd open under `work_dir` (runc, CRIU)."""
+    found: dict[int, int] = {}
+    if not work_dir:
+        return found
+    prefix = work_dir.rstrip("/") + "/"
+    me = os.getpid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        if pid == me:
+            continue
+        links = []
+        try:
+            links.append(os.readlink(f"/proc/{pid}/cwd"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+        if any(link == work_dir or link.startswith(prefix) for link in links):
+            start = proc_starttime(pid)
+            if start is not None:
+                found[pid] = start
+    return found
+
+
 def thaw_all(freezers: list[Freezer], log: "Log") -> None:
     for fz in freezers:
         try:
@@ -101,7 +137,7 @@ class Log:
         sys.stderr.flush()
 
 
-def guard(freezers: list[Freezer], max_freeze: float, helper_grace: float, log: Log) -> int:
+def guard(freezers: list[Freezer], max_freeze: float, helper_grace: float, log: Log, work_dir: str = "") -> int:
     tracked: dict[int, int] = {}
     stdin = sys.stdin.buffer
     fd = stdin.fileno()
@@ -136,10 +172,23 @@ def guard(freezers: list[Freezer], max_freeze: float, helper_grace: float, log: 
                 descendants(tracked)
     log(f"{reason}: thawing {len(freezers)} container(s)")
     thaw_all(freezers, log)
-    # Keep them thawed while a helper (runc, CRIU) could still re-freeze them.
+    # Stop the checkpoint: kill the runc helpers. CRIU then fails at its next
+    # exchange with runc, between tasks, and lets go of them cleanly (killing
+    # CRIU itself while its parasite is inside a task would kill the task).
+    descendants(tracked)
+    runcs = dict(tracked)
+    for pid, start in runcs.items():
+        if alive(pid, start) and _comm(pid) == "runc":
+            log(f"stopping checkpoint helper runc {pid}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    # Keep the pod thawed while CRIU could still re-freeze it on its way out.
     end = time.monotonic() + helper_grace
     while time.monotonic() < end:
         descendants(tracked)
+        tracked.update(holders(work_dir))
         live = [p for p, s in tracked.items() if alive(p, s)]
         thaw_all(freezers, log)
         if not live:
@@ -163,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="node-agent-watchdog")
     ap.add_argument("--max-freeze", type=float, required=True)
     ap.add_argument("--helper-grace", type=float, default=60.0)
+    ap.add_argument("--work-dir", default="", help="the checkpoint's scratch dir: whoever holds it open is a helper")
     ap.add_argument("freezers", nargs="+", help="v1:/sys/fs/cgroup/freezer/... or v2:/sys/fs/cgroup/...")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -174,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     try:
-        return guard(freezers, args.max_freeze, args.helper_grace, log)
+        return guard(freezers, args.max_freeze, args.helper_grace, log, args.work_dir)
     except Exception as exc:  # never leave without thawing
         log(f"error {exc!r}: thawing")
         thaw_all(freezers, log)
@@ -235,13 +285,14 @@ def arm(
     log_path: str,
     python: str = sys.executable,
     helper_grace: float = 60.0,
+    work_dir: str = "",
     ready_timeout: float = 10.0,
 ) -> Armed:
     """Start a watchdog for `freezers` and wait until it is armed."""
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
             [python, "-I", "-m", "criu_bridge.watchdog", "--max-freeze", f"{max_freeze:.3f}",
-             "--helper-grace", f"{helper_grace:.3f}", *[f.to_arg() for f in freezers]],
+             "--helper-grace", f"{helper_grace:.3f}", "--work-dir", work_dir, *[f.to_arg() for f in freezers]],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
             start_new_session=True, close_fds=True,
         )

@@ -303,7 +303,7 @@ class Checkpointer:
         os.makedirs(s.logs_dir, mode=0o700, exist_ok=True)
         guard = await asyncio.to_thread(
             wd.arm, [t.freezer for t in targets], max_freeze=s.timeouts.max_freeze,
-            log_path=os.path.join(s.logs_dir, "watchdog.log"),
+            log_path=os.path.join(s.logs_dir, "watchdog.log"), work_dir=work,
         )
         entry.data["watchdog"] = guard.pid
         self.journal.write(entry)

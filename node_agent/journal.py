@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ class Entry:
 class Journal:
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self._lock = threading.Lock()
         os.makedirs(directory, mode=0o700, exist_ok=True)
 
     def _path(self, op_id: str) -> str:
@@ -40,8 +42,12 @@ class Journal:
 
     def write(self, entry: Entry) -> None:
         """Atomically replace the entry on disk, durably."""
+        with self._lock:
+            self._write(entry)
+
+    def _write(self, entry: Entry) -> None:
         path = self._path(entry.op_id)
-        tmp = path + ".tmp"
+        tmp = f"{path}.{threading.get_ident()}.tmp"
         doc = {"kind": entry.kind, "op_id": entry.op_id, "pid": os.getpid(), "data": entry.data}
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -57,10 +63,11 @@ class Journal:
             os.close(dfd)
 
     def remove(self, entry: Entry) -> None:
-        try:
-            os.unlink(self._path(entry.op_id))
-        except FileNotFoundError:
-            pass
+        with self._lock:
+            try:
+                os.unlink(self._path(entry.op_id))
+            except FileNotFoundError:
+                pass
 
     def pending(self) -> list[Entry]:
         """Entries left behind, oldest first. Unreadable ones are logged and dropped."""

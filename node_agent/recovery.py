@@ -18,7 +18,7 @@ import time
 
 from criu_bridge import freezer
 from criu_bridge.freezer import Freezer
-from criu_bridge.watchdog import alive, descendants
+from criu_bridge.watchdog import alive, descendants, holders
 from node_agent import errors
 from node_agent.config import Settings
 from node_agent.cri import CriClient
@@ -36,14 +36,16 @@ def _thaw(args: list[str]) -> None:
             log.debug("thaw %s: %s", arg, exc)
 
 
-def _settle_helpers(helpers: list[dict[str, int]], freezers: list[str], grace: float) -> None:
+def _settle_helpers(helpers: list[dict[str, int]], freezers: list[str], work: str, grace: float) -> None:
     """Wait for a dead agent's runc/CRIU helpers to end, thawing meanwhile; then kill."""
     tracked = {int(h["pid"]): int(h["start"]) for h in helpers if h.get("start") is not None}
     descendants(tracked)
+    tracked.update(holders(work))
     end = time.monotonic() + grace
     while time.monotonic() < end:
         _thaw(freezers)
         descendants(tracked)
+        tracked.update(holders(work))
         if not any(alive(p, s) for p, s in tracked.items()):
             break
         time.sleep(0.05)
@@ -67,9 +69,12 @@ async def recover(settings: Settings, journal: Journal, cri: CriClient) -> int:
                     extra={"phase": "recovery", "pod": data.get("pod", "")})
         if entry.kind == "checkpoint":
             freezers = [str(f) for f in data.get("freezers", [])]
-            await asyncio.to_thread(_settle_helpers, list(data.get("helpers", [])), freezers, settings.timeouts.cleanup)
             work = data.get("work")
-            if isinstance(work, str) and os.path.realpath(work).startswith(os.path.realpath(settings.work_dir) + os.sep):
+            ours = isinstance(work, str) and os.path.realpath(work).startswith(os.path.realpath(settings.work_dir) + os.sep)
+            await asyncio.to_thread(
+                _settle_helpers, list(data.get("helpers", [])), freezers, work if ours else "", settings.timeouts.cleanup
+            )
+            if ours:
                 shutil.rmtree(work, ignore_errors=True)
         elif entry.kind == "restore":
             await undo_restore(cri, data, settings.timeouts.cleanup)

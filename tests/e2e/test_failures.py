@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import psutil
+import pytest
 
 from tests.e2e.bed import (
     NODE_AGENT, Bed, container_config, container_detail, counter_pod, freezer_state, make_pod, pods_in,
@@ -25,7 +26,7 @@ def _criu_procs() -> list[psutil.Process]:
     for p in psutil.process_iter(["name", "cmdline"]):
         cmd = p.info.get("cmdline") or []
         if p.info.get("name") == "criu" or (cmd and os.path.basename(cmd[0]) == "criu") or any(
-            c.endswith("/usr/sbin/criu") for c in cmd[:3]
+            c.endswith("/usr/sbin/criu") for c in cmd[:5]
         ):
             out.append(p)
     return out
@@ -35,8 +36,10 @@ def _leftovers(bed: Bed) -> list[str]:
     return [p for p in glob.glob(os.path.join(bed.store, "work", "*")) + glob.glob(os.path.join(bed.store, "journal", "*"))]
 
 
-def test_agent_killed_while_pod_frozen(agent: Bed) -> None:
-    pod = counter_pod(agent, "e2e-kill", mib=768)
+@pytest.mark.parametrize("moment", ["frozen", "dumping"])
+def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
+    """SIGKILL the agent right after the freeze, or while CRIU is dumping."""
+    pod = counter_pod(agent, "e2e-kill", mib=768 if moment == "frozen" else 256)
     try:
         server = container_detail(agent, pod.containers["server"])
         log_path = server.log_path
@@ -46,17 +49,19 @@ def test_agent_killed_while_pod_frozen(agent: Bed) -> None:
         cli = subprocess.Popen([NODE_AGENT, "checkpoint", pod.id], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             wait_for(lambda: freezer_state(server.pid) == "FROZEN", timeout=60, interval=0.002, what="the pod to freeze")
+            if moment == "dumping":
+                wait_for(_criu_procs, timeout=10, interval=0.002, what="CRIU to start dumping")
             agent.kill_agent()
             t_kill = time.monotonic()
         finally:
-            cli.wait(60)
+            cli.communicate(timeout=60)
         # Without any restart, the pod runs again within 2 s.
         wait_for(lambda: freezer_state(server.pid) == "THAWED" and freezer_state(
             container_detail(agent, pod.containers["shell"]).pid) == "THAWED", timeout=2, interval=0.01,
             what="the watchdog to thaw the pod")
         thawed_after = time.monotonic() - t_kill
         n = max(ticks(log_path))
-        wait_for(lambda: max(ticks(log_path)) > n, timeout=5, what="the pod to tick again")
+        wait_for(lambda: max(ticks(log_path)) > n, timeout=2, interval=0.01, what="the pod to tick again")
         assert thawed_after < 2.0
         # It stays thawed once CRIU is done (CRIU re-freezes a cgroup it found frozen).
         wait_for(lambda: not _criu_procs(), timeout=60, what="CRIU to finish")
