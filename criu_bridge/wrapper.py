@@ -37,7 +37,6 @@ PLAN_FLAGS = {
     "file-locks": "--file-locks",
     "ext-unix-sk": "--ext-unix-sk",
     "shell-job": "--shell-job",
-    "tcp-close": "--tcp-close",
 }
 
 

@@ -342,7 +342,8 @@ class Checkpointer:
                     kept = self._keep_log(entry.op_id, t.name, exc.log_path)
                     raise errors.FailedPrecondition(
                         f"checkpoint of pod {pod.ref}, container {t.name}, phase {exc.phase}: "
-                        + "; ".join(exc.decisive)
+                        + "; ".join(exc.decisive or [exc.message])
+                        + _hint(exc.decisive)
                         + (f" (full CRIU log: {kept})" if kept else "")
                     ) from exc
                 except BridgeError as exc:
@@ -455,6 +456,21 @@ class Checkpointer:
         with self.store.writer() as w:
             w.add_tree("", work)
             return w.commit(meta)
+
+
+# CRIU suggests its own flags; say how to pass them through node-agent.
+_HINTS = {
+    "--tcp-established": "--option tcp-established=true",
+    "--ext-unix-sk": "--option ext-unix-sk=true",
+    "--file-locks": "--option file-locks=true",
+    "--shell-job": "--option shell-job=true",
+}
+
+
+def _hint(lines: Sequence[str]) -> str:
+    text = " ".join(lines)
+    found = [opt for flag, opt in _HINTS.items() if flag in text]
+    return f" [retry with {', '.join(found)} to allow it]" if found else ""
 
 
 async def _gather_all(jobs: list[Any]) -> None:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
-RESTORE_OPTIONS = {"tcp-close"}
+RESTORE_OPTIONS: set[str] = set()
 RESTORED_FROM = "node-agent.io/restored-from"
 
 

@@ -1,0 +1,131 @@
+"""More of the contract: CRIU refusals people can act on, preflight checks, the handler."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+
+from tests.e2e.bed import (
+    Bed, container_config, container_detail, freezer_state, make_pod, pods_in, remove_pod, ticks, wait_for,
+)
+
+HOLD_TCP = (
+    "sleep 100000 | nc -l -p 9000 >/dev/null & sleep 0.3; sleep 100000 | nc 127.0.0.1 9000 >/dev/null & "
+    "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done"
+)
+
+
+def test_established_tcp_is_refused_with_the_decisive_line_then_taken_with_the_option(agent: Bed) -> None:
+    imgs = agent.info["images"]
+    pod = make_pod(agent, "e2e-tcp", [container_config("conn", imgs["busybox"], ["sh", "-c", HOLD_TCP])])
+    try:
+        d = container_detail(agent, pod.containers["conn"])
+        wait_for(lambda: len(ticks(d.log_path)) >= 3, what="ticks")
+        cp = agent.cli("checkpoint", pod.id, check=False)
+        assert cp.returncode != 0
+        err = cp.stderr
+        assert "FAILED_PRECONDITION" in err, err
+        assert f"e2e-tcp/{pod.name}" in err and "container conn" in err and "dump" in err, err
+        assert "tcp-established" in err and "--option tcp-established=true" in err, err
+        log_path = err.rsplit("full CRIU log: ", 1)[1].split(")")[0]
+        assert os.path.exists(log_path), log_path
+        assert freezer_state(d.pid) == "THAWED"
+        n = max(ticks(d.log_path))
+        wait_for(lambda: max(ticks(d.log_path)) > n, what="the pod to keep ticking")
+
+        ckpt = agent.cli("checkpoint", pod.id, "--option", "tcp-established=true").stdout.strip().splitlines()[-1]
+        info = json.loads(agent.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
+        assert info["options"] == {"tcp-established": "true"}
+        # The connection is on the pod's loopback, which the new pod has too.
+        out = agent.cli("restore", ckpt, "--namespace", "e2e-tcp-dst", "--start").stdout.split()
+        try:
+            nd = container_detail(agent, out[2])
+            assert nd.container.state == "CONTAINER_RUNNING"
+            wait_for(lambda: len(ticks(nd.log_path)) >= 2, what="restored ticks")
+            assert ticks(nd.log_path)[0] > 3
+        finally:
+            remove_pod(agent, out[0])
+        agent.cli("checkpoints", "rm", ckpt)
+    finally:
+        remove_pod(agent, pod.id)
+
+
+def test_a_container_that_is_not_running_is_refused(agent: Bed) -> None:
+    imgs = agent.info["images"]
+    pod = make_pod(agent, "e2e-exited", [
+        container_config("quitter", imgs["busybox"], ["sh", "-c", "exit 0"]),
+        container_config("runner", imgs["busybox"], ["sh", "-c", "while :; do sleep 1; done"]),
+    ])
+    try:
+        wait_for(lambda: container_detail(agent, pod.containers["quitter"]).container.state == "CONTAINER_EXITED",
+                 what="the quitter to exit")
+        cp = agent.cli("checkpoint", pod.id, "--container", "quitter", check=False)
+        assert cp.returncode != 0 and "FAILED_PRECONDITION" in cp.stderr and "quitter" in cp.stderr, cp.stderr
+        assert "not running" in cp.stderr
+        # Without a selection, only the running containers are taken.
+        ckpt = agent.cli("checkpoint", pod.id, "-o", "json").stdout
+        info = json.loads(ckpt)
+        assert [c["name"] for c in info["containers"]] == ["runner"]
+        agent.cli("checkpoints", "rm", info["id"])
+    finally:
+        remove_pod(agent, pod.id)
+
+
+def _ctr(bed: Bed, *args: str) -> None:
+    subprocess.run(["ctr", "--address", bed.info["containerd_socket"], "-n", "k8s.io", *args],
+                   check=True, capture_output=True)
+
+
+def test_restore_checks_the_image_before_creating_anything(agent: Bed) -> None:
+    imgs = agent.info["images"]
+    temp = "localhost/node-agent-test/transient:1"
+    _ctr(agent, "images", "tag", "--force", imgs["busybox"], temp)
+    pod = make_pod(agent, "e2e-img", [container_config("c", temp, ["sh", "-c", "while :; do sleep 1; done"])])
+    try:
+        ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
+    finally:
+        remove_pod(agent, pod.id)
+    _ctr(agent, "images", "rm", temp)
+    cp = agent.cli("restore", ckpt, "--namespace", "e2e-img-dst", check=False)
+    assert cp.returncode != 0 and "FAILED_PRECONDITION" in cp.stderr and temp in cp.stderr, cp.stderr
+    assert pods_in(agent, "e2e-img-dst") == []
+    agent.cli("checkpoints", "rm", ckpt)
+
+
+def test_a_corrupt_checkpoint_is_not_restored(agent: Bed) -> None:
+    imgs = agent.info["images"]
+    pod = make_pod(agent, "e2e-corrupt", [container_config("c", imgs["busybox"], ["sh", "-c", "while :; do sleep 1; done"])])
+    try:
+        ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
+    finally:
+        remove_pod(agent, pod.id)
+    with open(os.path.join(agent.store, "checkpoints", ckpt.split(":")[1] + ".json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    big = max((f for f in manifest["files"] if f.get("chunks")), key=lambda f: f["size"])
+    blob = os.path.join(agent.store, "blobs", "sha256", big["chunks"][0]["digest"].split(":")[1])
+    with open(blob, "r+b") as fh:
+        fh.seek(0)
+        b = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    cp = agent.cli("restore", ckpt, "--namespace", "e2e-corrupt-dst", check=False)
+    assert cp.returncode != 0 and "DATA_LOSS" in cp.stderr and "verification" in cp.stderr, cp.stderr
+    assert pods_in(agent, "e2e-corrupt-dst") == []
+    agent.cli("checkpoints", "rm", ckpt)
+
+
+def test_pods_not_being_restored_run_normally_under_the_handler(agent: Bed) -> None:
+    imgs = agent.info["images"]
+    pod = make_pod(agent, "e2e-handler", [
+        container_config("plain", imgs["busybox"], ["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done"]),
+    ], handler="criu")
+    try:
+        d = container_detail(agent, pod.containers["plain"])
+        assert d.container.state == "CONTAINER_RUNNING"
+        wait_for(lambda: len(ticks(d.log_path)) >= 3, what="ticks")
+        assert ticks(d.log_path)[0] == 1
+        assert not glob.glob(os.path.join(agent.store, "plans", "*"))
+    finally:
+        remove_pod(agent, pod.id)

@@ -1,0 +1,65 @@
+"""CLI commands that work without a daemon, and the CLI's error paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from node_agent.cli.containerd_config import snippet
+from node_agent.config import Settings
+from node_agent.errors import InvalidArgument
+
+NODE_AGENT = str(Path(sys.executable).parent / "node-agent")
+
+
+def test_containerd_snippet_is_only_the_handler_tables_with_absolute_paths() -> None:
+    text = snippet(Settings(store="/srv/na", runtime_handler="restore", runc_root="/run/x/runc/k8s.io"))
+    assert "version" not in text
+    doc = tomllib.loads(text)
+    runtime = doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["restore"]
+    assert runtime["runtime_type"] == "io.containerd.runc.v2"
+    assert runtime["options"] == {"BinaryName": "/srv/na/bin/node-agent-runc", "Root": "/run/x/runc", "SystemdCgroup": False}
+    assert list(doc) == ["plugins"]
+
+
+def test_containerd_snippet_refuses_a_runc_root_the_shim_cannot_produce() -> None:
+    with pytest.raises(InvalidArgument, match="k8s.io"):
+        snippet(Settings(runc_root="/run/runc"))
+
+
+def test_containerd_config_command_installs_the_launcher(tmp_path: Path) -> None:
+    cp = subprocess.run([NODE_AGENT, "containerd-config", "--store", str(tmp_path / "s"), "--runtime-handler", "criu"],
+                        capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    launcher = tmp_path / "s" / "bin" / "node-agent-runc"
+    assert f'BinaryName = "{launcher}"' in cp.stdout
+    assert os.access(launcher, os.X_OK)
+    # The launcher passes plain calls straight to runc.
+    out = subprocess.run([str(launcher), "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and "runc version" in out.stdout
+
+
+def test_doctor_exits_zero_on_this_machine() -> None:
+    cp = subprocess.run([NODE_AGENT, "doctor"], capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    verdicts = [line.split()[0] for line in cp.stdout.splitlines()]
+    assert verdicts and set(verdicts) <= {"OK", "WARN"}
+    assert any(line.startswith("OK   criu:") for line in cp.stdout.splitlines()), cp.stdout
+
+
+def test_daemon_commands_say_when_no_daemon_runs(tmp_path: Path) -> None:
+    env = dict(os.environ, NODE_AGENT_SOCKET=str(tmp_path / "none.sock"))
+    cp = subprocess.run([NODE_AGENT, "checkpoints", "ls"], capture_output=True, text=True, env=env, timeout=60)
+    assert cp.returncode != 0
+    assert "not running" in cp.stderr and str(tmp_path / "none.sock") in cp.stderr
+
+
+def test_bad_option_syntax_is_a_usage_error(tmp_path: Path) -> None:
+    env = dict(os.environ, NODE_AGENT_SOCKET=str(tmp_path / "none.sock"))
+    cp = subprocess.run([NODE_AGENT, "checkpoint", "ns/p", "--option", "=x"], capture_output=True, text=True, env=env)
+    assert cp.returncode == 2 and "KEY=VALUE" in cp.stderr
