@@ -79,7 +79,9 @@ async def serve(s: Settings) -> None:
         checkpointer = Checkpointer(s, cri, store, journal, criu)
         restorer = Restorer(s, cri, store, journal, criu)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
-        pb_grpc.add_NodeAgentServicer_to_server(AgentServicer(checkpointer, restorer, store), server)
+        pb_grpc.add_NodeAgentServicer_to_server(  # type: ignore[no-untyped-call]
+            AgentServicer(checkpointer, restorer, store), server
+        )
         _listen_unix(server, s.socket)
         await server.start()
         _secure_socket(s.socket, s.socket_group)

@@ -69,12 +69,13 @@ async def recover(settings: Settings, journal: Journal, cri: CriClient) -> int:
                     extra={"phase": "recovery", "pod": data.get("pod", "")})
         if entry.kind == "checkpoint":
             freezers = [str(f) for f in data.get("freezers", [])]
-            work = data.get("work")
-            ours = isinstance(work, str) and os.path.realpath(work).startswith(os.path.realpath(settings.work_dir) + os.sep)
+            raw = data.get("work")
+            work = raw if isinstance(raw, str) and os.path.realpath(raw).startswith(
+                os.path.realpath(settings.work_dir) + os.sep) else ""
             await asyncio.to_thread(
-                _settle_helpers, list(data.get("helpers", [])), freezers, work if ours else "", settings.timeouts.cleanup
+                _settle_helpers, list(data.get("helpers", [])), freezers, work, settings.timeouts.cleanup
             )
-            if ours:
+            if work:
                 shutil.rmtree(work, ignore_errors=True)
         elif entry.kind == "restore":
             await undo_restore(cri, data, settings.timeouts.cleanup)

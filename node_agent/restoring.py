@@ -125,7 +125,7 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
 
 
 def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkpoint_id: str) -> dict[str, Any]:
-    cfg = json.loads(json.dumps(saved.pod_config))
+    cfg: dict[str, Any] = json.loads(json.dumps(saved.pod_config))
     old_meta = cfg.get("metadata") or {}
     cfg["metadata"] = {"name": name, "namespace": namespace, "uid": uid, "attempt": 0}
     old_logdir = str(cfg.get("log_directory") or "")

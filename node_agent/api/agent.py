@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import grpc
 
@@ -45,12 +45,12 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
     async def _stream(
         self,
         context: grpc.aio.ServicerContext,
-        run: Callable[[Callable[[Progress], None]], Awaitable[T]],
+        run: Callable[[Callable[[Progress], None]], Coroutine[Any, Any, T]],
         wrap_progress: Callable[[pb.Progress], Any],
         wrap_result: Callable[[T], Any],
     ) -> AsyncIterator[Any]:
         queue: asyncio.Queue[Progress] = asyncio.Queue()
-        task = asyncio.create_task(run(queue.put_nowait), name="api-operation")
+        task: asyncio.Task[T] = asyncio.create_task(run(queue.put_nowait), name="api-operation")
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())

@@ -20,7 +20,8 @@ def _f(v: Any) -> float:
 
 def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
     meta: Mapping[str, Any] = rec.metadata if isinstance(rec.metadata, Mapping) else {}
-    pod = meta.get("pod") if isinstance(meta.get("pod"), Mapping) else {}
+    raw_pod = meta.get("pod")
+    pod: Mapping[str, Any] = raw_pod if isinstance(raw_pod, Mapping) else {}
     sizes: dict[str, int] = {}
     for f in rec.files:
         parts = f.path.split("/")
@@ -35,7 +36,8 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
             name=name, id=_s(c.get("id")), image=_s(c.get("image")), image_ref=_s(c.get("image_ref")),
             size=sizes.get(name, 0), dump_log=f"containers/{name}/dump.log", dump_ms=_f(c.get("dump_ms")),
         ))
-    opts = meta.get("options") if isinstance(meta.get("options"), Mapping) else {}
+    raw_opts = meta.get("options")
+    opts: Mapping[str, Any] = raw_opts if isinstance(raw_opts, Mapping) else {}
     return pb.CheckpointInfo(
         id=rec.id,
         pod_namespace=_s(pod.get("namespace")),

@@ -30,7 +30,7 @@ class Client:
     def __init__(self, socket: str) -> None:
         self.socket = socket
         self.channel = grpc.insecure_channel("unix://" + socket)
-        self.stub = pb_grpc.NodeAgentStub(self.channel)
+        self.stub = pb_grpc.NodeAgentStub(self.channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> "Client":
         return self

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from node_agent import errors
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
@@ -94,8 +95,8 @@ class CriClient:
                 ("grpc.max_send_message_length", _MAX_MSG),
             ],
         )
-        self._rt = cri_grpc.RuntimeServiceStub(self._channel)
-        self._img = cri_grpc.ImageServiceStub(self._channel)
+        self._rt = cri_grpc.RuntimeServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._img = cri_grpc.ImageServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
         await self._channel.close()
@@ -104,7 +105,7 @@ class CriClient:
         try:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
-            cls = _CODE_TO_ERROR.get(exc.code(), errors.Unavailable if exc.code() == grpc.StatusCode.UNKNOWN and "connect" in (exc.details() or "") else errors.Internal)
+            cls = _CODE_TO_ERROR.get(exc.code(), errors.Internal)
             raise cls(f"{what}: {exc.details() or exc.code().name}") from exc
 
     # ---- runtime -----------------------------------------------------------
@@ -216,10 +217,13 @@ class CriClient:
         return bool(r.image.id)
 
 
-def _parse(data: Mapping[str, Any], msg_type: type[T], what: str) -> T:
+M = TypeVar("M", bound=Message)
+
+
+def _parse(data: Mapping[str, Any], msg_type: type[M], what: str) -> M:
     """A JSON-shaped CRI config as its message; unknown fields are errors."""
     try:
-        return json_format.ParseDict(dict(data), msg_type())  # type: ignore[no-any-return]
+        return json_format.ParseDict(dict(data), msg_type())
     except json_format.ParseError as exc:
         raise errors.InvalidArgument(f"{what} does not match the CRI schema: {exc}") from exc
 
