@@ -78,6 +78,8 @@ class Runc:
         image_dir: str,
         work_dir: str,
         flags: CheckpointFlags,
+        pre_dump: bool = False,
+        parent: str | None = None,
         on_start: Callable[[int], Awaitable[None]] | None = None,
         procs: list[asyncio.subprocess.Process] | None = None,
     ) -> None:
@@ -92,8 +94,9 @@ class Runc:
         os.makedirs(work_dir, exist_ok=True)
         runc_log = os.path.join(work_dir, "runc.log")
         argv = self._base(runc_log) + [
-            "checkpoint", "--leave-running",
+            "checkpoint", "--pre-dump" if pre_dump else "--leave-running",
             "--image-path", image_dir, "--work-path", work_dir,
+            *(["--parent-path", parent] if parent else []),
             *flags.runc_args(), container_id,
         ]
         proc = await asyncio.create_subprocess_exec(
@@ -107,7 +110,9 @@ class Runc:
             await on_start(proc.pid)
         out = await proc.communicate()
         if proc.returncode != 0:
-            dump_log = os.path.join(work_dir, "dump.log")
+            dump_log = os.path.join(work_dir, "pre-dump.log" if pre_dump else "dump.log")
+            if not os.path.exists(dump_log):
+                dump_log = os.path.join(work_dir, "dump.log")
             decisive = logs.read_decisive(dump_log)
             if not decisive:
                 with contextlib.suppress(OSError):
@@ -115,7 +120,7 @@ class Runc:
                         decisive = logs.runc_log_errors(fh.read())[-4:]
             if not decisive:
                 decisive = [(out[0] or b"").decode(errors="replace").strip()[-2000:]]
-            raise RuntimeFailure(phase="dump", decisive=decisive, log_path=dump_log)
+            raise RuntimeFailure(phase="pre-dump" if pre_dump else "dump", decisive=decisive, log_path=dump_log)
 
 
 async def _communicate(proc: asyncio.subprocess.Process, timeout: float) -> tuple[bytes, bytes]:

@@ -179,6 +179,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     import shutil
 
     shutil.rmtree(os.path.join(plan_dir, "images"), ignore_errors=True)
+    shutil.rmtree(os.path.join(plan_dir, "predump"), ignore_errors=True)
     return 0
 
 

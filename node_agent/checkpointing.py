@@ -40,6 +40,9 @@ GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
 _TRUE = {"", "true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 METADATA_KIND = "node-agent.pod-checkpoint"
+# Manifest annotations (OCI): describe the checkpoint to registries and tools.
+ANNOTATION_PREFIX = "io.node-agent.checkpoint"
+POD_ANNOTATION = "io.node-agent.pod"  # "namespace/name": the retention group
 
 
 @dataclass(frozen=True)
@@ -66,22 +69,37 @@ class CheckpointRequest:
     options: Mapping[str, str] = field(default_factory=dict)
 
 
+# Options handled by the agent itself rather than passed to runc.
+AGENT_OPTIONS = ("pre-dump",)
+SUPPORTED_OPTIONS = tuple(sorted((*CHECKPOINT_OPTIONS, *AGENT_OPTIONS)))
+
+
 def parse_options(options: Mapping[str, str]) -> CheckpointFlags:
     """Checkpoint options to runc flags; anything undocumented is refused."""
+    return parse_all_options(options)[0]
+
+
+def parse_all_options(options: Mapping[str, str]) -> tuple[CheckpointFlags, bool | None]:
+    """(runc flags, pre-dump wish: True/False, or None for the node's default)."""
     values: dict[str, bool] = {}
+    pre_dump: bool | None = None
     for key, raw in options.items():
-        if key not in CHECKPOINT_OPTIONS:
+        if key not in SUPPORTED_OPTIONS:
             raise errors.InvalidArgument(
-                f"unknown checkpoint option {key!r} (supported: {', '.join(sorted(CHECKPOINT_OPTIONS))})"
+                f"unknown checkpoint option {key!r} (supported: {', '.join(SUPPORTED_OPTIONS)})"
             )
         val = str(raw).strip().lower()
         if val in _TRUE:
-            values[key.replace("-", "_")] = True
+            flag = True
         elif val in _FALSE:
-            values[key.replace("-", "_")] = False
+            flag = False
         else:
             raise errors.InvalidArgument(f"checkpoint option {key!r}: expected true or false, got {raw!r}")
-    return CheckpointFlags(**values)
+        if key == "pre-dump":
+            pre_dump = flag
+        else:
+            values[key.replace("-", "_")] = flag
+    return CheckpointFlags(**values), pre_dump
 
 
 async def resolve_pod(cri: CriClient, ref: str) -> Pod:
@@ -169,11 +187,37 @@ class Checkpointer:
         self.criu = criu
         self.runc = Runc(settings.runc, settings.runc_root)
         self._busy: set[str] = set()
+        self._mem_track: bool | None = None
+
+    async def _want_pre_dump(self, wish: bool | None, pod: Pod) -> bool:
+        """Pre-dump where the kernel tracks dirty memory; say once when it can't."""
+        mode = self.settings.pre_dump
+        if wish is False or (wish is None and mode == "never"):
+            return False
+        if self._mem_track is None:
+            try:
+                self._mem_track = bool((await self.criu.features()).get("mem_track"))
+            except BridgeError as exc:
+                log.warning("cannot ask CRIU about dirty memory tracking (%s); dumping without pre-dump", exc)
+                self._mem_track = False
+            if not self._mem_track:
+                log.warning(
+                    "the kernel does not track dirty memory (criu check --feature mem_dirty_track): "
+                    "checkpoints dump all memory while the pod is frozen"
+                )
+        if self._mem_track:
+            return True
+        if wish is True or mode == "always":
+            raise errors.FailedPrecondition(
+                f"checkpoint of pod {pod.ref}: pre-dump was asked for, but this kernel does not track dirty memory "
+                "(CONFIG_MEM_SOFT_DIRTY is off); retry without it"
+            )
+        return False
 
     async def checkpoint(
         self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
     ) -> CheckpointRecord:
-        flags = parse_options(req.options)
+        flags, pre_dump_wish = parse_all_options(req.options)
         timeout = timeout if timeout is not None else self.settings.timeouts.checkpoint
         phase = ["resolve"]
         pod_ref = req.pod
@@ -185,7 +229,8 @@ class Checkpointer:
                     raise errors.FailedPrecondition(f"pod {pod.ref}: another checkpoint of it is running")
                 self._busy.add(pod.id)
                 try:
-                    return await self._run(pod, req, flags, phase, progress)
+                    pre_dump = await self._want_pre_dump(pre_dump_wish, pod)
+                    return await self._run(pod, req, flags, pre_dump, phase, progress)
                 finally:
                     self._busy.discard(pod.id)
         except TimeoutError as exc:
@@ -231,7 +276,8 @@ class Checkpointer:
         return details
 
     async def _run(
-        self, pod: Pod, req: CheckpointRequest, flags: CheckpointFlags, phase: list[str], progress: ProgressFn
+        self, pod: Pod, req: CheckpointRequest, flags: CheckpointFlags, pre_dump: bool, phase: list[str],
+        progress: ProgressFn,
     ) -> CheckpointRecord:
         progress(Progress("resolve", message=f"pod {pod.ref}"))
         details = await self._select(pod, req.containers)
@@ -267,8 +313,12 @@ class Checkpointer:
             await self.criu.cpuinfo_dump(os.path.join(work, "pod", "cpuinfo"))
             criu_version = (await self.criu.version()).text
 
+            if pre_dump:
+                phase[0] = "pre-dump"
+                await self._pre_dump(pod, targets, flags, progress)
+
             phase[0] = "freeze"
-            frozen_ms, dump_ms = await self._cut(pod, targets, shm, work, flags, entry, phase, progress)
+            frozen_ms, dump_ms = await self._cut(pod, targets, shm, work, flags, pre_dump, entry, phase, progress)
             log.info(
                 "pod %s frozen for %.1f ms", pod.ref, frozen_ms,
                 extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(frozen_ms, 1)},
@@ -277,6 +327,7 @@ class Checkpointer:
             phase[0] = "ingest"
             progress(Progress("ingest", total, total, message="storing"))
             meta = self._metadata(pod, pod_detail, targets, flags, frozen_ms, dump_ms, criu_version)
+            meta["pre_dump"] = pre_dump
             self._write_config_files(work, pod_detail, targets)
             record = await asyncio.to_thread(self._ingest, work, meta)
             progress(Progress("done", total, total, record.size, record.size, record.id))
@@ -293,6 +344,7 @@ class Checkpointer:
         shm: str | None,
         work: str,
         flags: CheckpointFlags,
+        pre_dump: bool,
         entry: Entry,
         phase: list[str],
         progress: ProgressFn,
@@ -334,6 +386,7 @@ class Checkpointer:
                         self.runc.checkpoint(
                             t.id, image_dir=os.path.join(t.dir, "checkpoint"),
                             work_dir=os.path.join(t.dir, "work"), flags=flags,
+                            parent="../predump" if pre_dump else None,
                             on_start=started, procs=helpers,
                         ),
                         diff,
@@ -363,6 +416,24 @@ class Checkpointer:
         frozen_ms = (time.monotonic() - t_freeze) * 1000
         progress(Progress("thaw", total, total, message=f"frozen {frozen_ms:.0f} ms"))
         return frozen_ms, dump_ms
+
+    async def _pre_dump(self, pod: Pod, targets: list[_Target], flags: CheckpointFlags, progress: ProgressFn) -> None:
+        """Copy memory while the pod runs; the frozen dump then takes only dirty pages."""
+        progress(Progress("pre-dump", 0, len(targets)))
+
+        async def one(t: _Target) -> None:
+            try:
+                await self.runc.checkpoint(
+                    t.id, image_dir=os.path.join(t.dir, "predump"), work_dir=os.path.join(t.dir, "work-predump"),
+                    flags=flags, pre_dump=True,
+                )
+            except RuntimeFailure as exc:
+                raise errors.FailedPrecondition(
+                    f"checkpoint of pod {pod.ref}, container {t.name}, phase {exc.phase}: "
+                    + "; ".join(exc.decisive or [exc.message])
+                ) from exc
+
+        await _gather_all([one(t) for t in targets])
 
     async def _thaw(
         self, targets: list[_Target], guard: wd.Armed, helpers: list[asyncio.subprocess.Process], ok: bool
@@ -446,6 +517,12 @@ class Checkpointer:
                 "config": d.config, "log_path": d.log_path,
             })
             dump(os.path.join(t.dir, "spec.dump"), d.spec)
+            # The final images point at the pre-dump through a `parent` link;
+            # restore puts it back (the store keeps files and dirs only).
+            parent = os.path.join(t.dir, "checkpoint", "parent")
+            if os.path.islink(parent):
+                os.unlink(parent)
+            shutil.rmtree(os.path.join(t.dir, "work-predump"), ignore_errors=True)
             # CRIU's own log is part of the checkpoint; the scratch dir is not.
             wdir = os.path.join(t.dir, "work")
             if os.path.exists(os.path.join(wdir, "dump.log")):
@@ -455,7 +532,7 @@ class Checkpointer:
     def _ingest(self, work: str, meta: dict[str, Any]) -> CheckpointRecord:
         with self.store.writer() as w:
             w.add_tree("", work)
-            return w.commit(meta)
+            return w.commit(meta, annotations=manifest_annotations(meta))
 
 
 # CRIU suggests its own flags; say how to pass them through node-agent.
@@ -471,6 +548,30 @@ def _hint(lines: Sequence[str]) -> str:
     text = " ".join(lines)
     found = [opt for flag, opt in _HINTS.items() if flag in text]
     return f" [retry with {', '.join(found)} to allow it]" if found else ""
+
+
+_OCI_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x"}
+
+
+def manifest_annotations(meta: Mapping[str, Any]) -> dict[str, str]:
+    """OCI manifest annotations that describe a checkpoint to registries and tools."""
+    pod = meta["pod"]
+    uname = os.uname()
+    p = ANNOTATION_PREFIX
+    return {
+        POD_ANNOTATION: f"{pod['namespace']}/{pod['name']}",
+        f"{p}.pod.namespace": str(pod["namespace"]),
+        f"{p}.pod.name": str(pod["name"]),
+        f"{p}.pod.uid": str(pod["uid"]),
+        f"{p}.containers": ",".join(c["name"] for c in meta["containers"]),
+        f"{p}.images": ",".join(c["image"] for c in meta["containers"]),
+        f"{p}.criu.version": str(meta.get("criu_version", "")),
+        f"{p}.kernel": uname.release,
+        f"{p}.architecture": _OCI_ARCH.get(uname.machine, uname.machine),
+        f"{p}.node": str(meta.get("node", "")),
+        f"{p}.frozen-ms": f"{float(meta.get('frozen_ms', 0.0)):.1f}",
+        f"{p}.pre-dump": "true" if meta.get("pre_dump") else "false",
+    }
 
 
 async def _gather_all(jobs: list[Any]) -> None:

@@ -33,6 +33,17 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class Retention:
+    """Which checkpoints the store keeps; 0 means no limit."""
+
+    max_per_pod: int = 0
+    max_total_bytes: int = 0
+    max_age_seconds: int = 0
+    # How often the daemon collects garbage (seconds); 0 turns it off.
+    gc_interval: int = 3600
+
+
+@dataclass(frozen=True)
 class Settings:
     cri_endpoint: str = "unix:///run/containerd/containerd.sock"
     socket: str = "/run/node-agent/agent.sock"
@@ -48,7 +59,11 @@ class Settings:
     # Free bytes a restore leaves on the store's filesystem, beyond the
     # checkpoint's own size.
     min_free_bytes: int = 256 << 20
+    # Pre-dump memory while the pod runs where the kernel tracks dirty
+    # memory: "auto" (default: where supported), "always" or "never".
+    pre_dump: str = "auto"
     timeouts: Timeouts = field(default_factory=Timeouts)
+    retention: Retention = field(default_factory=Retention)
 
     # Paths derived from the store; one place so the wrapper agrees.
     @property
@@ -76,8 +91,8 @@ class Settings:
         return os.path.join(self.bin_dir, "node-agent-runc")
 
 
-_TOP_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)}
-_TIMEOUT_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Timeouts)}
+_SECTIONS: dict[str, Any] = {"timeouts": Timeouts, "retention": Retention}
+_TOP_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings) if f.name not in _SECTIONS}
 _LOG_FORMATS = ("text", "json")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -106,23 +121,27 @@ def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Setti
     changes: dict[str, Any] = {}
     types = {f.name: f.type for f in dataclasses.fields(Settings)}
     for key, value in data.items():
-        if key == "timeouts":
+        if key in _SECTIONS:
             if not isinstance(value, Mapping):
-                raise InvalidArgument("config key 'timeouts' must be a mapping")
-            tchanges = {}
-            for tkey, tval in value.items():
-                if tkey not in _TIMEOUT_KEYS:
+                raise InvalidArgument(f"config key {key!r} must be a mapping")
+            section = _SECTIONS[key]
+            known = {f.name.replace("_", "-"): f for f in dataclasses.fields(section)}
+            schanges = {}
+            for skey, sval in value.items():
+                if skey not in known:
                     raise InvalidArgument(
-                        f"unknown config key 'timeouts.{tkey}' (known: {', '.join(sorted(_TIMEOUT_KEYS))})"
+                        f"unknown config key '{key}.{skey}' (known: {', '.join(sorted(known))})"
                     )
-                tchanges[_TIMEOUT_KEYS[tkey]] = _coerce(f"timeouts.{tkey}", tval, float)
-            changes["timeouts"] = dataclasses.replace(base.timeouts, **tchanges)
+                fld = known[skey]
+                num: type = float if fld.type in ("float", float) else int
+                schanges[fld.name] = _coerce(f"{key}.{skey}", sval, num)
+            changes[key] = dataclasses.replace(getattr(base, key), **schanges)
             continue
         if key not in _TOP_KEYS:
             raise InvalidArgument(f"unknown config key {key!r} (known: {', '.join(sorted(_TOP_KEYS))})")
         attr = _TOP_KEYS[key]
-        want = int if types[attr] in ("int", int) else str
-        changes[attr] = _coerce(key, value, want)
+        kind: type = int if types[attr] in ("int", int) else str
+        changes[attr] = _coerce(key, value, kind)
     return validate(dataclasses.replace(base, **changes))
 
 
@@ -136,6 +155,8 @@ def validate(s: Settings) -> Settings:
         raise InvalidArgument(f"log-format must be one of {', '.join(_LOG_FORMATS)}")
     if s.log_level not in _LOG_LEVELS:
         raise InvalidArgument(f"log-level must be one of {', '.join(_LOG_LEVELS)}")
+    if s.pre_dump not in ("auto", "always", "never"):
+        raise InvalidArgument("pre-dump must be auto, always or never")
     if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
         raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
     return s

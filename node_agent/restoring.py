@@ -175,12 +175,6 @@ class Restorer:
 
     async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
         record = await asyncio.to_thread(self.store.get, req.checkpoint_id)
-        progress(Progress("verify", message=record.id))
-        bad = await asyncio.to_thread(self.store.verify, record.id)
-        if bad:
-            raise errors.DataLoss(
-                f"checkpoint {record.id} failed verification ({len(bad)} bad blob(s), e.g. {bad[0]}); not restoring it"
-            )
         saved = await asyncio.to_thread(load_saved, self.store, record)
         namespace = _check_name("namespace", req.namespace) if req.namespace else saved.namespace
         name = _check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
@@ -197,11 +191,42 @@ class Restorer:
         self.journal.write(entry)
         pod_config = target_pod_config(saved, namespace, name, uid, record.id)
         progress(Progress("sandbox", 0, len(saved.containers), message=where))
-        pod_id = await self.cri.run_pod(pod_config, handler)
-        entry.data["sandboxes"].append(pod_id)
-        self.journal.write(entry)
-        await self._restore_shm(record, pod_id, where)
+        # Read and verify every file while containerd makes the sandbox.
+        staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
+        os.makedirs(staging, mode=0o700)
+        try:
+            unpack = asyncio.create_task(
+                asyncio.to_thread(self._unpack, record, staging), name=f"unpack {record.id[:19]}"
+            )
+            try:
+                pod_id = await self.cri.run_pod(pod_config, handler)
+            except BaseException:
+                await _settle(unpack)
+                raise
+            entry.data["sandboxes"].append(pod_id)
+            self.journal.write(entry)
+            phase[0] = "verify"
+            progress(Progress("verify", message=record.id))
+            await unpack
+            await self._restore_shm(staging, pod_id, where)
+            return await self._containers(req, record, saved, staging, pod_id, pod_config, where,
+                                          namespace, name, uid, entry, phase, progress)
+        finally:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
+    def _unpack(self, record: CheckpointRecord, staging: str) -> None:
+        try:
+            self.store.materialize(record.id, staging, prefix="containers")
+            if any(f.path == "pod/devshm.tar" for f in record.files):
+                self.store.materialize(record.id, staging, prefix="pod/devshm.tar")
+        except errors.DataLoss as exc:
+            raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
+
+    async def _containers(
+        self, req: RestoreRequest, record: CheckpointRecord, saved: _Saved, staging: str, pod_id: str,
+        pod_config: dict[str, Any], where: str, namespace: str, name: str, uid: str, entry: Entry,
+        phase: list[str], progress: ProgressFn,
+    ) -> RestoredPod:
         created: list[tuple[str, str]] = []
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
             phase[0] = f"create {cname}"
@@ -212,7 +237,7 @@ class Restorer:
             entry.data["plans"].append(plan_dir)
             self.journal.write(entry)
             await asyncio.to_thread(
-                self._write_plan, record, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
+                self._write_plan, record, staging, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
             )
             created.append((cname, cid))
             progress(Progress("create", i + 1, len(saved.containers), message=cname))
@@ -264,40 +289,32 @@ class Restorer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    async def _restore_shm(self, record: CheckpointRecord, pod_id: str, where: str) -> None:
-        if not any(f.path == "pod/devshm.tar" for f in record.files):
+    async def _restore_shm(self, staging: str, pod_id: str, where: str) -> None:
+        tar = os.path.join(staging, "pod", "devshm.tar")
+        if not os.path.exists(tar):
             return
         detail = await self.cri.pod_status(pod_id)
         target = shm_source(detail.spec)
         if not target or not os.path.isdir(target):
             raise errors.FailedPrecondition(f"restore as pod {where}: cannot find the new sandbox's /dev/shm")
-        tmp = os.path.join(self.settings.work_dir, "shm-" + secrets.token_hex(4))
-        os.makedirs(tmp, mode=0o700)
         try:
-            await asyncio.to_thread(self.store.materialize, record.id, tmp, prefix="pod/devshm.tar")
-            deleted = None
-            try:
-                await asyncio.to_thread(rootfs.apply_diff, target, os.path.join(tmp, "pod", "devshm.tar"), deleted)
-            except BridgeError as exc:
-                raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            await asyncio.to_thread(rootfs.apply_diff, target, tar, None)
+        except BridgeError as exc:
+            raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
-    def _write_plan(self, record: CheckpointRecord, cname: str, plan_dir: str, where: str, options: tuple[str, ...]) -> None:
+    def _write_plan(
+        self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...]
+    ) -> None:
+        """Move a container's verified files from staging into its plan dir (renames only)."""
         os.makedirs(plan_dir, mode=0o700)
-        tmp = plan_dir + ".materialize"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, mode=0o700)
-        try:
-            base = f"containers/{cname}"
-            self.store.materialize(record.id, tmp, prefix=base)
-            src = os.path.join(tmp, *base.split("/"))
-            os.replace(os.path.join(src, "checkpoint"), os.path.join(plan_dir, "images"))
-            for fname in ("rootfs-diff.tar", "deleted.files", "opaque.dirs"):
-                if os.path.exists(os.path.join(src, fname)):
-                    os.replace(os.path.join(src, fname), os.path.join(plan_dir, fname))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        src = os.path.join(staging, "containers", cname)
+        os.replace(os.path.join(src, "checkpoint"), os.path.join(plan_dir, "images"))
+        if os.path.isdir(os.path.join(src, "predump")):
+            os.replace(os.path.join(src, "predump"), os.path.join(plan_dir, "predump"))
+            os.symlink("../predump", os.path.join(plan_dir, "images", "parent"))
+        for fname in ("rootfs-diff.tar", "deleted.files", "opaque.dirs"):
+            if os.path.exists(os.path.join(src, fname)):
+                os.replace(os.path.join(src, fname), os.path.join(plan_dir, fname))
         plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options)}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
@@ -309,6 +326,14 @@ class Restorer:
     async def _undo(self, entry: Entry) -> None:
         """Remove every sandbox and plan this restore created."""
         await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
+
+
+async def _settle(task: asyncio.Task[Any]) -> None:
+    """Wait for a thread-backed task we no longer need (threads can't be cancelled)."""
+    try:
+        await asyncio.shield(task)
+    except BaseException:  # noqa: BLE001 - its result no longer matters
+        pass
 
 
 async def undo_restore(cri: CriClient, data: Mapping[str, Any], timeout: float) -> None:

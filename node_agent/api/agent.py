@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import grpc
@@ -37,10 +38,11 @@ def _timeout(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class AgentServicer(pb_grpc.NodeAgentServicer):
-    def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store) -> None:
+    def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store, gc: Callable[..., Any]) -> None:
         self.checkpointer = checkpointer
         self.restorer = restorer
         self.store = store
+        self.gc = gc
 
     async def _stream(
         self,
@@ -130,3 +132,104 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
         await self._unary(context, lambda: self.store.remove(rec.id))
         return pb.RemoveCheckpointResponse(checkpoint_id=rec.id)
+
+    async def VerifyCheckpoint(self, request: pb.VerifyCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.VerifyCheckpointResponse:
+        rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
+        bad = await self._unary(context, lambda: self.store.verify(rec.id))
+        blobs = {c.digest for f in rec.files for c in f.chunks}
+        return pb.VerifyCheckpointResponse(
+            checkpoint_id=rec.id, ok=not bad, blobs_checked=len(blobs),
+            bad_blobs=[pb.BadBlob(digest=b.digest, reason=b.reason, paths=list(b.paths)) for b in bad],
+        )
+
+    async def GarbageCollect(self, request: pb.GarbageCollectRequest, context: grpc.aio.ServicerContext) -> pb.GarbageCollectResponse:
+        report = await self._unary(context, lambda: self.gc(dry_run=request.dry_run))
+        return pb.GarbageCollectResponse(
+            removed_checkpoints=list(report.removed_checkpoints), removed_blobs=len(report.removed_blobs),
+            bytes_freed=report.bytes_freed, kept=report.kept, dry_run=report.dry_run,
+        )
+
+    async def _transfer(
+        self, context: grpc.aio.ServicerContext, fn: Callable[[Callable[[Any], None]], Any], ref: str
+    ) -> AsyncIterator[pb.TransferEvent]:
+        """Run a blocking push/pull in a thread, streaming its progress."""
+        loop = asyncio.get_running_loop()
+
+        async def run(progress: Callable[[Progress], None]) -> Any:
+            def relay(p: Any) -> None:
+                loop.call_soon_threadsafe(progress, Progress(
+                    p.phase, 0, 0, p.bytes_done, p.bytes_total,
+                    f"{p.blobs_done}/{p.blobs_total} blobs, {p.skipped} already there",
+                ))
+            return await asyncio.to_thread(fn, relay)
+
+        async for ev in self._stream(
+            context, run,
+            lambda p: pb.TransferEvent(progress=p),
+            lambda r: pb.TransferEvent(result=pb.TransferResult(
+                checkpoint_id=getattr(r, "digest", "") or getattr(r, "checkpoint_id", ""), reference=ref,
+                blobs_transferred=getattr(r, "blobs_uploaded", getattr(r, "blobs_downloaded", 0)),
+                blobs_skipped=r.blobs_skipped,
+                bytes_transferred=getattr(r, "bytes_uploaded", getattr(r, "bytes_downloaded", 0)),
+            )),
+        ):
+            yield ev
+
+    async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
+        from node_agent import registry
+
+        creds = _creds(request.credentials)
+        store = self.store
+
+        def fn(progress: Callable[[Any], None]) -> Any:
+            rec = store.get(request.checkpoint_id)
+            return registry.push(store, rec.id, request.reference, creds, progress=progress)
+
+        async for ev in self._transfer(context, fn, request.reference):
+            yield ev
+
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
+        from node_agent import registry
+
+        creds = _creds(request.credentials)
+        store = self.store
+
+        def fn(progress: Callable[[Any], None]) -> Any:
+            return registry.pull(store, request.reference, creds, progress=progress)
+
+        async for ev in self._transfer(context, fn, request.reference):
+            yield ev
+
+    async def Export(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> pb.ExportResponse:
+        from node_agent import interop
+
+        if not os.path.isabs(request.output_path):
+            await abort_with(context, errors.InvalidArgument("the output path must be absolute"))
+        store = self.store
+
+        def fn() -> Any:
+            rec = store.get(request.checkpoint_id)
+            return interop.export_container(store, rec.id, request.container, request.output_path)
+
+        report = await self._unary(context, fn)
+        return pb.ExportResponse(output_path=request.output_path, size=int(getattr(report, "size", 0)))
+
+    async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
+        from node_agent import interop
+
+        if not os.path.isabs(request.input_path):
+            await abort_with(context, errors.InvalidArgument("the input path must be absolute"))
+        store = self.store
+        rec = await self._unary(context, lambda: interop.import_archive(
+            store, request.input_path, namespace=request.namespace or None, name=request.name or None,
+        ))
+        return convert.checkpoint_info(rec)
+
+
+def _creds(c: pb.RegistryCredentials) -> Any:
+    from node_agent.registry import Credentials
+
+    return Credentials(
+        username=c.username, password=c.password, ca_file=c.ca_file,
+        plain_http=c.plain_http, insecure_skip_verify=c.insecure_skip_verify,
+    )

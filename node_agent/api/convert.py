@@ -52,6 +52,8 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
         options={str(k): str(v) for k, v in opts.items()},
         criu_version=_s(meta.get("criu_version")),
         node=_s(meta.get("node")),
+        pre_dump=meta.get("pre_dump") is True,
+        annotations={str(k): str(v) for k, v in (getattr(rec, "annotations", None) or {}).items()},
     )
 
 

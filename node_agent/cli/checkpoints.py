@@ -145,6 +145,37 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    with Client(socket_path(args.socket)) as c:
+        resp = c.call("VerifyCheckpoint", pb.VerifyCheckpointRequest(checkpoint_id=args.id), timeout=args.timeout)
+    if args.output in ("json", "yaml"):
+        output.emit(output.as_dict(resp), args.output)
+    elif resp.ok:
+        sys.stdout.write(f"{resp.checkpoint_id}: OK ({resp.blobs_checked} blobs)\n")
+    else:
+        for b in resp.bad_blobs:
+            sys.stdout.write(f"BAD {b.digest}: {b.reason} (used by {', '.join(b.paths) or '-'})\n")
+    if not resp.ok:
+        raise CliError(f"{resp.checkpoint_id}: {len(resp.bad_blobs)} bad blob(s) out of {resp.blobs_checked}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with Client(socket_path(args.socket)) as c:
+        resp = c.call("GarbageCollect", pb.GarbageCollectRequest(dry_run=args.dry_run), timeout=600)
+    if args.output in ("json", "yaml"):
+        output.emit(output.as_dict(resp), args.output)
+        return 0
+    verb = "would remove" if resp.dry_run else "removed"
+    for cid in resp.removed_checkpoints:
+        sys.stdout.write(f"{verb} {cid}\n")
+    sys.stdout.write(
+        f"{verb} {len(resp.removed_checkpoints)} checkpoint(s) and {resp.removed_blobs} blob(s), "
+        f"{output.human_size(resp.bytes_freed)}; {resp.kept} checkpoint(s) kept\n"
+    )
+    return 0
+
+
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("checkpoint", parents=[common], help="checkpoint a running pod")
     p.add_argument("pod", help="sandbox ID, unique ID prefix, or NAMESPACE/NAME")
@@ -175,7 +206,17 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     q.add_argument("id")
     q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     q.set_defaults(func=cmd_inspect)
+    q = csub.add_parser("verify", parents=[common], help="check every blob of a checkpoint; name the bad ones")
+    q.add_argument("id")
+    q.add_argument("--timeout", type=float, default=600)
+    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    q.set_defaults(func=cmd_verify)
     q = csub.add_parser("rm", parents=[common], help="remove one checkpoint")
     q.add_argument("id")
     q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     q.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("gc", parents=[common], help="apply the retention policy and remove unreferenced blobs")
+    p.add_argument("--dry-run", action="store_true", help="only say what would go")
+    p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
+    p.set_defaults(func=cmd_gc)

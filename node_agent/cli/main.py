@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from node_agent import errors
-from node_agent.cli import checkpoints, containerd_config, doctor
+from node_agent.cli import checkpoints, containerd_config, doctor, transfer
 from node_agent.cli.client import ENV_SOCKET, CliError
 from node_agent.config import load
 
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", parents=[sp], help="run the daemon")
     p.set_defaults(func=cmd_serve)
     checkpoints.add_parsers(sub, common)
+    transfer.add_parsers(sub, common)
     doctor.add_parser(sub, sp, settings_from)
     containerd_config.add_parser(sub, None, settings_from)
     return ap

@@ -34,3 +34,11 @@ def test_shm_source_only_for_the_pods_own_shm() -> None:
     host = {"mounts": [{"destination": "/dev/shm", "type": "bind", "source": "/dev/shm"}]}
     assert shm_source(host) is None
     assert shm_source({"mounts": [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm"}]}) is None
+
+
+def test_pre_dump_option_is_the_agents_own() -> None:
+    from node_agent.checkpointing import parse_all_options
+
+    flags, pre = parse_all_options({"pre-dump": "false", "file-locks": "true"})
+    assert pre is False and flags.runc_args() == ["--file-locks"]
+    assert parse_all_options({})[1] is None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnodeagent/v1/nodeagent.proto\x12\x0cnodeagent.v1\"\xa3\x01\n\x11\x43heckpointRequest\x12\x0b\n\x03pod\x18\x01 \x01(\t\x12\x12\n\ncontainers\x18\x02 \x03(\t\x12=\n\x07options\x18\x03 \x03(\x0b\x32,.nodeagent.v1.CheckpointRequest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x86\x01\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x17\n\x0f\x63ontainers_done\x18\x02 \x01(\r\x12\x18\n\x10\x63ontainers_total\x18\x03 \x01(\r\x12\x12\n\nbytes_done\x18\x04 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x04\x12\x0f\n\x07message\x18\x06 \x01(\t\"v\n\x0f\x43heckpointEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.nodeagent.v1.ProgressH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.nodeagent.v1.CheckpointInfoH\x00\x42\x07\n\x05\x65vent\"\xdc\x01\n\x0eRestoreRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\x08\x12:\n\x07options\x18\x05 \x03(\x0b\x32).nodeagent.v1.RestoreRequest.OptionsEntry\x12\x17\n\x0fruntime_handler\x18\x06 \x01(\t\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x11RestoredContainer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontainer_id\x18\x02 \x01(\t\"\xb2\x01\n\rRestoreResult\x12\x16\n\x0epod_sandbox_id\x18\x01 \x01(\t\x12\x33\n\ncontainers\x18\x02 \x03(\x0b\x32\x1f.nodeagent.v1.RestoredContainer\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0b\n\x03uid\x18\x05 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x08\"r\n\x0cRestoreEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.nodeagent.v1.ProgressH\x00\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.nodeagent.v1.RestoreResultH\x00\x42\x07\n\x05\x65vent\"|\n\rContainerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\r\n\x05image\x18\x03 \x01(\t\x12\x11\n\timage_ref\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x64ump_log\x18\x06 \x01(\t\x12\x0f\n\x07\x64ump_ms\x18\x07 \x01(\x01\"\xf6\x02\n\x0e\x43heckpointInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rpod_namespace\x18\x02 \x01(\t\x12\x10\n\x08pod_name\x18\x03 \x01(\t\x12\x0f\n\x07pod_uid\x18\x04 \x01(\t\x12\x16\n\x0epod_sandbox_id\x18\x05 \x01(\t\x12/\n\ncontainers\x18\x06 \x03(\x0b\x32\x1b.nodeagent.v1.ContainerInfo\x12\x0f\n\x07\x63reated\x18\x07 \x01(\t\x12\x0c\n\x04size\x18\x08 \x01(\x04\x12\x13\n\x0bstored_size\x18\t \x01(\x04\x12\x11\n\tfrozen_ms\x18\n \x01(\x01\x12:\n\x07options\x18\x0b \x03(\x0b\x32).nodeagent.v1.CheckpointInfo.OptionsEntry\x12\x14\n\x0c\x63riu_version\x18\x0c \x01(\t\x12\x0c\n\x04node\x18\r \x01(\t\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x16ListCheckpointsRequest\x12\x15\n\rpod_namespace\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.nodeagent.v1.CheckpointInfo\"1\n\x18InspectCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"0\n\x17RemoveCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"1\n\x18RemoveCheckpointResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t2\xc0\x03\n\tNodeAgent\x12N\n\nCheckpoint\x12\x1f.nodeagent.v1.CheckpointRequest\x1a\x1d.nodeagent.v1.CheckpointEvent0\x01\x12\x45\n\x07Restore\x12\x1c.nodeagent.v1.RestoreRequest\x1a\x1a.nodeagent.v1.RestoreEvent0\x01\x12^\n\x0fListCheckpoints\x12$.nodeagent.v1.ListCheckpointsRequest\x1a%.nodeagent.v1.ListCheckpointsResponse\x12Y\n\x11InspectCheckpoint\x12&.nodeagent.v1.InspectCheckpointRequest\x1a\x1c.nodeagent.v1.CheckpointInfo\x12\x61\n\x10RemoveCheckpoint\x12%.nodeagent.v1.RemoveCheckpointRequest\x1a&.nodeagent.v1.RemoveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnodeagent/v1/nodeagent.proto\x12\x0cnodeagent.v1\"\xa3\x01\n\x11\x43heckpointRequest\x12\x0b\n\x03pod\x18\x01 \x01(\t\x12\x12\n\ncontainers\x18\x02 \x03(\t\x12=\n\x07options\x18\x03 \x03(\x0b\x32,.nodeagent.v1.CheckpointRequest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x86\x01\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x17\n\x0f\x63ontainers_done\x18\x02 \x01(\r\x12\x18\n\x10\x63ontainers_total\x18\x03 \x01(\r\x12\x12\n\nbytes_done\x18\x04 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x04\x12\x0f\n\x07message\x18\x06 \x01(\t\"v\n\x0f\x43heckpointEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.nodeagent.v1.ProgressH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.nodeagent.v1.CheckpointInfoH\x00\x42\x07\n\x05\x65vent\"\xdc\x01\n\x0eRestoreRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\x08\x12:\n\x07options\x18\x05 \x03(\x0b\x32).nodeagent.v1.RestoreRequest.OptionsEntry\x12\x17\n\x0fruntime_handler\x18\x06 \x01(\t\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x11RestoredContainer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontainer_id\x18\x02 \x01(\t\"\xb2\x01\n\rRestoreResult\x12\x16\n\x0epod_sandbox_id\x18\x01 \x01(\t\x12\x33\n\ncontainers\x18\x02 \x03(\x0b\x32\x1f.nodeagent.v1.RestoredContainer\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0b\n\x03uid\x18\x05 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x08\"r\n\x0cRestoreEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.nodeagent.v1.ProgressH\x00\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.nodeagent.v1.RestoreResultH\x00\x42\x07\n\x05\x65vent\"|\n\rContainerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\r\n\x05image\x18\x03 \x01(\t\x12\x11\n\timage_ref\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x64ump_log\x18\x06 \x01(\t\x12\x0f\n\x07\x64ump_ms\x18\x07 \x01(\x01\"\x80\x04\n\x0e\x43heckpointInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rpod_namespace\x18\x02 \x01(\t\x12\x10\n\x08pod_name\x18\x03 \x01(\t\x12\x0f\n\x07pod_uid\x18\x04 \x01(\t\x12\x16\n\x0epod_sandbox_id\x18\x05 \x01(\t\x12/\n\ncontainers\x18\x06 \x03(\x0b\x32\x1b.nodeagent.v1.ContainerInfo\x12\x0f\n\x07\x63reated\x18\x07 \x01(\t\x12\x0c\n\x04size\x18\x08 \x01(\x04\x12\x13\n\x0bstored_size\x18\t \x01(\x04\x12\x11\n\tfrozen_ms\x18\n \x01(\x01\x12:\n\x07options\x18\x0b \x03(\x0b\x32).nodeagent.v1.CheckpointInfo.OptionsEntry\x12\x14\n\x0c\x63riu_version\x18\x0c \x01(\t\x12\x0c\n\x04node\x18\r \x01(\t\x12\x10\n\x08pre_dump\x18\x0e \x01(\x08\x12\x42\n\x0b\x61nnotations\x18\x0f \x03(\x0b\x32-.nodeagent.v1.CheckpointInfo.AnnotationsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x16ListCheckpointsRequest\x12\x15\n\rpod_namespace\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.nodeagent.v1.CheckpointInfo\"1\n\x18InspectCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"0\n\x17RemoveCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"1\n\x18RemoveCheckpointResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"0\n\x17VerifyCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"8\n\x07\x42\x61\x64\x42lob\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05paths\x18\x03 \x03(\t\"~\n\x18VerifyCheckpointResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12(\n\tbad_blobs\x18\x03 \x03(\x0b\x32\x15.nodeagent.v1.BadBlob\x12\x15\n\rblobs_checked\x18\x04 \x01(\r\"(\n\x15GarbageCollectRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\x80\x01\n\x16GarbageCollectResponse\x12\x1b\n\x13removed_checkpoints\x18\x01 \x03(\t\x12\x15\n\rremoved_blobs\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_freed\x18\x03 \x01(\x04\x12\x0c\n\x04kept\x18\x04 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\"|\n\x13RegistryCredentials\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\x12\x0f\n\x07\x63\x61_file\x18\x03 \x01(\t\x12\x12\n\nplain_http\x18\x04 \x01(\x08\x12\x1c\n\x14insecure_skip_verify\x18\x05 \x01(\x08\"o\n\x0bPushRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x11\n\treference\x18\x02 \x01(\t\x12\x36\n\x0b\x63redentials\x18\x03 \x01(\x0b\x32!.nodeagent.v1.RegistryCredentials\"X\n\x0bPullRequest\x12\x11\n\treference\x18\x01 \x01(\t\x12\x36\n\x0b\x63redentials\x18\x02 \x01(\x0b\x32!.nodeagent.v1.RegistryCredentials\"\x87\x01\n\x0eTransferResult\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x11\n\treference\x18\x02 \x01(\t\x12\x19\n\x11\x62lobs_transferred\x18\x03 \x01(\r\x12\x15\n\rblobs_skipped\x18\x04 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x05 \x01(\x04\"t\n\rTransferEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.nodeagent.v1.ProgressH\x00\x12.\n\x06result\x18\x02 \x01(\x0b\x32\x1c.nodeagent.v1.TransferResultH\x00\x42\x07\n\x05\x65vent\"N\n\rExportRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x11\n\tcontainer\x18\x02 \x01(\t\x12\x13\n\x0boutput_path\x18\x03 \x01(\t\"3\n\x0e\x45xportResponse\x12\x13\n\x0boutput_path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"D\n\rImportRequest\x12\x12\n\ninput_path\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t2\x8e\x07\n\tNodeAgent\x12N\n\nCheckpoint\x12\x1f.nodeagent.v1.CheckpointRequest\x1a\x1d.nodeagent.v1.CheckpointEvent0\x01\x12\x45\n\x07Restore\x12\x1c.nodeagent.v1.RestoreRequest\x1a\x1a.nodeagent.v1.RestoreEvent0\x01\x12^\n\x0fListCheckpoints\x12$.nodeagent.v1.ListCheckpointsRequest\x1a%.nodeagent.v1.ListCheckpointsResponse\x12Y\n\x11InspectCheckpoint\x12&.nodeagent.v1.InspectCheckpointRequest\x1a\x1c.nodeagent.v1.CheckpointInfo\x12\x61\n\x10RemoveCheckpoint\x12%.nodeagent.v1.RemoveCheckpointRequest\x1a&.nodeagent.v1.RemoveCheckpointResponse\x12\x61\n\x10VerifyCheckpoint\x12%.nodeagent.v1.VerifyCheckpointRequest\x1a&.nodeagent.v1.VerifyCheckpointResponse\x12[\n\x0eGarbageCollect\x12#.nodeagent.v1.GarbageCollectRequest\x1a$.nodeagent.v1.GarbageCollectResponse\x12@\n\x04Push\x12\x19.nodeagent.v1.PushRequest\x1a\x1b.nodeagent.v1.TransferEvent0\x01\x12@\n\x04Pull\x12\x19.nodeagent.v1.PullRequest\x1a\x1b.nodeagent.v1.TransferEvent0\x01\x12\x43\n\x06\x45xport\x12\x1b.nodeagent.v1.ExportRequest\x1a\x1c.nodeagent.v1.ExportResponse\x12\x43\n\x06Import\x12\x1b.nodeagent.v1.ImportRequest\x1a\x1c.nodeagent.v1.CheckpointInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESTOREREQUEST_OPTIONSENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINTINFO_OPTIONSENTRY']._loaded_options = None
   _globals['_CHECKPOINTINFO_OPTIONSENTRY']._serialized_options = b'8\001'
+  _globals['_CHECKPOINTINFO_ANNOTATIONSENTRY']._loaded_options = None
+  _globals['_CHECKPOINTINFO_ANNOTATIONSENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINTREQUEST']._serialized_start=47
   _globals['_CHECKPOINTREQUEST']._serialized_end=210
   _globals['_CHECKPOINTREQUEST_OPTIONSENTRY']._serialized_start=164
@@ -59,19 +61,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTAINERINFO']._serialized_start=1046
   _globals['_CONTAINERINFO']._serialized_end=1170
   _globals['_CHECKPOINTINFO']._serialized_start=1173
-  _globals['_CHECKPOINTINFO']._serialized_end=1547
+  _globals['_CHECKPOINTINFO']._serialized_end=1685
   _globals['_CHECKPOINTINFO_OPTIONSENTRY']._serialized_start=164
   _globals['_CHECKPOINTINFO_OPTIONSENTRY']._serialized_end=210
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1549
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1614
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1616
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1692
-  _globals['_INSPECTCHECKPOINTREQUEST']._serialized_start=1694
-  _globals['_INSPECTCHECKPOINTREQUEST']._serialized_end=1743
-  _globals['_REMOVECHECKPOINTREQUEST']._serialized_start=1745
-  _globals['_REMOVECHECKPOINTREQUEST']._serialized_end=1793
-  _globals['_REMOVECHECKPOINTRESPONSE']._serialized_start=1795
-  _globals['_REMOVECHECKPOINTRESPONSE']._serialized_end=1844
-  _globals['_NODEAGENT']._serialized_start=1847
-  _globals['_NODEAGENT']._serialized_end=2295
+  _globals['_CHECKPOINTINFO_ANNOTATIONSENTRY']._serialized_start=1635
+  _globals['_CHECKPOINTINFO_ANNOTATIONSENTRY']._serialized_end=1685
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1687
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1752
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1754
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1830
+  _globals['_INSPECTCHECKPOINTREQUEST']._serialized_start=1832
+  _globals['_INSPECTCHECKPOINTREQUEST']._serialized_end=1881
+  _globals['_REMOVECHECKPOINTREQUEST']._serialized_start=1883
+  _globals['_REMOVECHECKPOINTREQUEST']._serialized_end=1931
+  _globals['_REMOVECHECKPOINTRESPONSE']._serialized_start=1933
+  _globals['_REMOVECHECKPOINTRESPONSE']._serialized_end=1982
+  _globals['_VERIFYCHECKPOINTREQUEST']._serialized_start=1984
+  _globals['_VERIFYCHECKPOINTREQUEST']._serialized_end=2032
+  _globals['_BADBLOB']._serialized_start=2034
+  _globals['_BADBLOB']._serialized_end=2090
+  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_start=2092
+  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_end=2218
+  _globals['_GARBAGECOLLECTREQUEST']._serialized_start=2220
+  _globals['_GARBAGECOLLECTREQUEST']._serialized_end=2260
+  _globals['_GARBAGECOLLECTRESPONSE']._serialized_start=2263
+  _globals['_GARBAGECOLLECTRESPONSE']._serialized_end=2391
+  _globals['_REGISTRYCREDENTIALS']._serialized_start=2393
+  _globals['_REGISTRYCREDENTIALS']._serialized_end=2517
+  _globals['_PUSHREQUEST']._serialized_start=2519
+  _globals['_PUSHREQUEST']._serialized_end=2630
+  _globals['_PULLREQUEST']._serialized_start=2632
+  _globals['_PULLREQUEST']._serialized_end=2720
+  _globals['_TRANSFERRESULT']._serialized_start=2723
+  _globals['_TRANSFERRESULT']._serialized_end=2858
+  _globals['_TRANSFEREVENT']._serialized_start=2860
+  _globals['_TRANSFEREVENT']._serialized_end=2976
+  _globals['_EXPORTREQUEST']._serialized_start=2978
+  _globals['_EXPORTREQUEST']._serialized_end=3056
+  _globals['_EXPORTRESPONSE']._serialized_start=3058
+  _globals['_EXPORTRESPONSE']._serialized_end=3109
+  _globals['_IMPORTREQUEST']._serialized_start=3111
+  _globals['_IMPORTREQUEST']._serialized_end=3179
+  _globals['_NODEAGENT']._serialized_start=3182
+  _globals['_NODEAGENT']._serialized_end=4092
 # @@protoc_insertion_point(module_scope)

@@ -124,8 +124,15 @@ class ContainerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., id: _Optional[str] = ..., image: _Optional[str] = ..., image_ref: _Optional[str] = ..., size: _Optional[int] = ..., dump_log: _Optional[str] = ..., dump_ms: _Optional[float] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node")
+    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node", "pre_dump", "annotations")
     class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class AnnotationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +152,8 @@ class CheckpointInfo(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CRIU_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    PRE_DUMP_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     pod_namespace: str
     pod_name: str
@@ -158,7 +167,9 @@ class CheckpointInfo(_message.Message):
     options: _containers.ScalarMap[str, str]
     criu_version: str
     node: str
-    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    pre_dump: bool
+    annotations: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ..., pre_dump: _Optional[bool] = ..., annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("pod_namespace", "pod_name")
@@ -191,3 +202,133 @@ class RemoveCheckpointResponse(_message.Message):
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class VerifyCheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class BadBlob(_message.Message):
+    __slots__ = ("digest", "reason", "paths")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    reason: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digest: _Optional[str] = ..., reason: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "ok", "bad_blobs", "blobs_checked")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    BAD_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    ok: bool
+    bad_blobs: _containers.RepeatedCompositeFieldContainer[BadBlob]
+    blobs_checked: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., ok: _Optional[bool] = ..., bad_blobs: _Optional[_Iterable[_Union[BadBlob, _Mapping]]] = ..., blobs_checked: _Optional[int] = ...) -> None: ...
+
+class GarbageCollectRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class GarbageCollectResponse(_message.Message):
+    __slots__ = ("removed_checkpoints", "removed_blobs", "bytes_freed", "kept", "dry_run")
+    REMOVED_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    removed_checkpoints: _containers.RepeatedScalarFieldContainer[str]
+    removed_blobs: int
+    bytes_freed: int
+    kept: int
+    dry_run: bool
+    def __init__(self, removed_checkpoints: _Optional[_Iterable[str]] = ..., removed_blobs: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., kept: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RegistryCredentials(_message.Message):
+    __slots__ = ("username", "password", "ca_file", "plain_http", "insecure_skip_verify")
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    CA_FILE_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_HTTP_FIELD_NUMBER: _ClassVar[int]
+    INSECURE_SKIP_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    username: str
+    password: str
+    ca_file: str
+    plain_http: bool
+    insecure_skip_verify: bool
+    def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ..., ca_file: _Optional[str] = ..., plain_http: _Optional[bool] = ..., insecure_skip_verify: _Optional[bool] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "reference", "credentials")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    reference: str
+    credentials: RegistryCredentials
+    def __init__(self, checkpoint_id: _Optional[str] = ..., reference: _Optional[str] = ..., credentials: _Optional[_Union[RegistryCredentials, _Mapping]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("reference", "credentials")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    credentials: RegistryCredentials
+    def __init__(self, reference: _Optional[str] = ..., credentials: _Optional[_Union[RegistryCredentials, _Mapping]] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("checkpoint_id", "reference", "blobs_transferred", "blobs_skipped", "bytes_transferred")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    reference: str
+    blobs_transferred: int
+    blobs_skipped: int
+    bytes_transferred: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., reference: _Optional[str] = ..., blobs_transferred: _Optional[int] = ..., blobs_skipped: _Optional[int] = ..., bytes_transferred: _Optional[int] = ...) -> None: ...
+
+class TransferEvent(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    result: TransferResult
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "container", "output_path")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_PATH_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    container: str
+    output_path: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., container: _Optional[str] = ..., output_path: _Optional[str] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("output_path", "size")
+    OUTPUT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    output_path: str
+    size: int
+    def __init__(self, output_path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ImportRequest(_message.Message):
+    __slots__ = ("input_path", "namespace", "name")
+    INPUT_PATH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    input_path: str
+    namespace: str
+    name: str
+    def __init__(self, input_path: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,36 @@ class NodeAgentStub:
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointResponse.FromString,
                 _registered_method=True)
+        self.VerifyCheckpoint = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/VerifyCheckpoint',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.FromString,
+                _registered_method=True)
+        self.GarbageCollect = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/GarbageCollect',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_stream(
+                '/nodeagent.v1.NodeAgent/Push',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.PushRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/nodeagent.v1.NodeAgent/Pull',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.PullRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/Export',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportResponse.FromString,
+                _registered_method=True)
+        self.Import = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/Import',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -99,6 +129,46 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyCheckpoint(self, request, context):
+        """Check every blob of a checkpoint; names each bad one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GarbageCollect(self, request, context):
+        """Apply the retention policy and remove unreferenced blobs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
+        """Copy a checkpoint to or from an OCI registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Single-container archives in the layout CRI-O, Podman and checkpointctl use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +196,36 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.RemoveCheckpoint,
                     request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointRequest.FromString,
                     response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointResponse.SerializeToString,
+            ),
+            'VerifyCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyCheckpoint,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.SerializeToString,
+            ),
+            'GarbageCollect': grpc.unary_unary_rpc_method_handler(
+                    servicer.GarbageCollect,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_stream_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.PushRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.SerializeToString,
+            ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.PullRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportResponse.SerializeToString,
+            ),
+            'Import': grpc.unary_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +363,168 @@ class NodeAgent:
             '/nodeagent.v1.NodeAgent/RemoveCheckpoint',
             nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointRequest.SerializeToString,
             nodeagent_dot_v1_dot_nodeagent__pb2.RemoveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/VerifyCheckpoint',
+            nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GarbageCollect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/GarbageCollect',
+            nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/Push',
+            nodeagent_dot_v1_dot_nodeagent__pb2.PushRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/Pull',
+            nodeagent_dot_v1_dot_nodeagent__pb2.PullRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/Export',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/Import',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,
             insecure,
