@@ -74,6 +74,18 @@ class ResourceExhausted(AgentError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class PermissionDenied(AgentError):
+    """The caller is known but not allowed to do this."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(AgentError):
+    """Credentials are missing or were rejected."""
+
+    code = "UNAUTHENTICATED"
+
+
 BY_CODE: dict[str, type[AgentError]] = {
     cls.code: cls
     for cls in (
@@ -87,6 +99,8 @@ BY_CODE: dict[str, type[AgentError]] = {
         DataLoss,
         Cancelled,
         ResourceExhausted,
+        PermissionDenied,
+        Unauthenticated,
     )
 }
 """Error class for each gRPC status name."""

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
-RESTORE_OPTIONS: set[str] = set()
+# allow-host-access: let a checkpoint bring back privileged containers or
+# host namespaces (refused by default: a checkpoint is hostile input).
+RESTORE_OPTIONS = {"allow-host-access"}
+_NODE_NAMESPACE = 2  # CRI NamespaceMode NODE
 RESTORED_FROM = "node-agent.io/restored-from"
 
 
@@ -124,6 +127,34 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
     return _Saved(ns, name, pod_doc["config"], tuple(containers), tuple(sorted(k for k, v in opts.items() if v == "true")))
 
 
+def host_access_refusal(checkpoint_id: str, saved: _Saved) -> None:
+    """Refuse configs that reach into the host, unless the caller allowed it."""
+    found: list[str] = []
+
+    def namespaces(where: str, sc: Any) -> None:
+        if not isinstance(sc, Mapping):
+            return
+        if sc.get("privileged"):
+            found.append(f"{where} is privileged")
+        opts = sc.get("namespace_options")
+        if isinstance(opts, Mapping):
+            for ns in ("network", "pid", "ipc"):
+                if opts.get(ns) == _NODE_NAMESPACE:
+                    found.append(f"{where} uses the host's {ns} namespace")
+
+    linux = saved.pod_config.get("linux")
+    if isinstance(linux, Mapping):
+        namespaces("the pod", linux.get("security_context"))
+    for cname, cfg, _ in saved.containers:
+        clinux = cfg["config"].get("linux")
+        if isinstance(clinux, Mapping):
+            namespaces(f"container {cname}", clinux.get("security_context"))
+    if found:
+        raise errors.FailedPrecondition(
+            f"checkpoint {checkpoint_id}: {'; '.join(found)}; restore it only with --option allow-host-access=true"
+        )
+
+
 def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkpoint_id: str) -> dict[str, Any]:
     cfg: dict[str, Any] = json.loads(json.dumps(saved.pod_config))
     old_meta = cfg.get("metadata") or {}
@@ -150,11 +181,13 @@ class Restorer:
     async def restore(
         self, req: RestoreRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
     ) -> RestoredPod:
-        for key in req.options:
+        for key, value in req.options.items():
             if key not in RESTORE_OPTIONS:
                 raise errors.InvalidArgument(
                     f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
                 )
+            if str(value).lower() not in ("", "true", "false", "1", "0", "yes", "no"):
+                raise errors.InvalidArgument(f"restore option {key!r}: expected true or false, got {value!r}")
         timeout = timeout if timeout is not None else self.settings.timeouts.restore
         phase = ["verify"]
         entry = Entry("restore", data={"sandboxes": [], "plans": []})
@@ -182,6 +215,8 @@ class Restorer:
         where = f"{namespace}/{name}"
         handler = req.runtime_handler or self.settings.runtime_handler
 
+        if str(req.options.get("allow-host-access", "false")).lower() not in ("true", "1", "yes", ""):
+            host_access_refusal(record.id, saved)
         phase[0] = "preflight"
         progress(Progress("preflight", message=where))
         await self._preflight(record, saved)

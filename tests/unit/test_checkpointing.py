@@ -42,3 +42,15 @@ def test_pre_dump_option_is_the_agents_own() -> None:
     flags, pre = parse_all_options({"pre-dump": "false", "file-locks": "true"})
     assert pre is False and flags.runc_args() == ["--file-locks"]
     assert parse_all_options({})[1] is None
+
+
+def test_restore_refuses_host_access_unless_allowed() -> None:
+    from node_agent.restoring import _Saved, host_access_refusal
+
+    ok = _Saved("ns", "p", {"linux": {}}, (("c", {"config": {"linux": {}}}, {}),), ())
+    host_access_refusal("sha256:x", ok)
+    bad = _Saved("ns", "p", {"linux": {"security_context": {"namespace_options": {"network": 2}}}},
+                 (("c", {"config": {"linux": {"security_context": {"privileged": True}}}}, {}),), ())
+    with pytest.raises(errors.FailedPrecondition) as e:
+        host_access_refusal("sha256:x", bad)
+    assert "host's network namespace" in str(e.value) and "container c is privileged" in str(e.value)
