@@ -59,6 +59,10 @@ class Settings:
     # Free bytes a restore leaves on the store's filesystem, beyond the
     # checkpoint's own size.
     min_free_bytes: int = 256 << 20
+    # Where pods' log directories live, and the cgroup parent, for pods made
+    # from foreign (e.g. Podman) archives.
+    pod_log_root: str = "/var/log/pods"
+    cgroup_parent: str = ""
     # Pre-dump memory while the pod runs where the kernel tracks dirty
     # memory: "auto" (default: where supported), "always" or "never".
     pre_dump: str = "auto"

@@ -39,6 +39,7 @@ def _timeout(context: grpc.aio.ServicerContext) -> float | None:
 
 class AgentServicer(pb_grpc.NodeAgentServicer):
     def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store, gc: Callable[..., Any]) -> None:
+        self.settings = checkpointer.settings
         self.checkpointer = checkpointer
         self.restorer = restorer
         self.store = store
@@ -220,8 +221,11 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         if not os.path.isabs(request.input_path):
             await abort_with(context, errors.InvalidArgument("the input path must be absolute"))
         store = self.store
+        s = self.settings
         rec = await self._unary(context, lambda: interop.import_archive(
             store, request.input_path, namespace=request.namespace or None, name=request.name or None,
+            log_root=s.pod_log_root, cgroup_parent=s.cgroup_parent or None, runtime_handler=s.runtime_handler,
+            criu=s.criu, work_dir=s.work_dir,
         ))
         return convert.checkpoint_info(rec)
 

@@ -70,6 +70,39 @@ def _looks_like_registry(component: str) -> bool:
     return component == "localhost" or component.startswith("[") or "." in component or ":" in component
 
 
+def _split(text: str) -> tuple[str, str, str | None, str | None]:
+    if not isinstance(text, str):
+        raise InvalidArgument(f"reference must be a string, not {type(text).__name__}")
+    if not text:
+        raise InvalidArgument("reference is empty")
+    if len(text) > MAX_REFERENCE_LENGTH:
+        raise InvalidArgument(f"reference is longer than {MAX_REFERENCE_LENGTH} characters")
+    if _PRINTABLE.fullmatch(text) is None:
+        raise InvalidArgument(f"reference {_show(text)} has spaces, control or non-ASCII characters")
+    rest, at, digest = text.partition("@")
+    if at:
+        check_digest(digest, f"reference {_show(text)}: digest")
+    registry, slash, path = rest.partition("/")
+    if not slash or not _looks_like_registry(registry):
+        raise InvalidArgument(f"reference {_show(text)} must start with a registry host, like 127.0.0.1:5000/repo:tag")
+    _check_registry(registry, text)
+    # After the host, a ':' can only introduce the tag.
+    repository, colon, tag = path.partition(":")
+    if not repository:
+        raise InvalidArgument(f"reference {_show(text)} names no repository")
+    if len(repository) > MAX_NAME_LENGTH:
+        raise InvalidArgument(f"reference {_show(text)}: repository is longer than {MAX_NAME_LENGTH} characters")
+    for component in repository.split("/"):
+        if _PATH_COMPONENT.fullmatch(component) is None:
+            raise InvalidArgument(
+                f"reference {_show(text)}: repository component {_show(component)} must be lowercase "
+                "letters and digits, separated by '.', '_', '__' or '-'"
+            )
+    if colon and _TAG.fullmatch(tag) is None:
+        raise InvalidArgument(f"reference {_show(text)}: bad tag {_show(tag)}")
+    return registry, repository, (tag if colon else None), (digest if at else None)
+
+
 @dataclass(frozen=True)
 class Reference:
     """A parsed reference. ``registry`` is ``host``, ``host:port`` or ``[v6]:port``."""
@@ -82,49 +115,12 @@ class Reference:
     @classmethod
     def parse(cls, text: str) -> Reference:
         """Parse and validate ``text``; InvalidArgument says what is wrong."""
-        if not isinstance(text, str):
-            raise InvalidArgument(f"reference must be a string, not {type(text).__name__}")
-        if not text:
-            raise InvalidArgument("reference is empty")
-        if len(text) > MAX_REFERENCE_LENGTH:
-            raise InvalidArgument(f"reference is longer than {MAX_REFERENCE_LENGTH} characters")
-        if _PRINTABLE.fullmatch(text) is None:
-            raise InvalidArgument(f"reference {_show(text)} has spaces, control or non-ASCII characters")
-        rest, at, digest = text.partition("@")
-        if at:
-            check_digest(digest, f"reference {_show(text)}: digest")
-        registry, slash, path = rest.partition("/")
-        if not slash or not _looks_like_registry(registry):
-            raise InvalidArgument(
-                f"reference {_show(text)} must start with a registry host, like 127.0.0.1:5000/repo:tag"
-            )
-        _check_registry(registry, text)
-        # After the host, a ':' can only introduce the tag.
-        repository, colon, tag = path.partition(":")
-        if not repository:
-            raise InvalidArgument(f"reference {_show(text)} names no repository")
-        if len(repository) > MAX_NAME_LENGTH:
-            raise InvalidArgument(f"reference {_show(text)}: repository is longer than {MAX_NAME_LENGTH} characters")
-        for component in repository.split("/"):
-            if _PATH_COMPONENT.fullmatch(component) is None:
-                raise InvalidArgument(
-                    f"reference {_show(text)}: repository component {_show(component)} must be lowercase "
-                    "letters and digits, separated by '.', '_', '__' or '-'"
-                )
-        if colon and _TAG.fullmatch(tag) is None:
-            raise InvalidArgument(f"reference {_show(text)}: bad tag {_show(tag)}")
-        return cls(registry, repository, tag if colon else None, digest if at else None)
+        return cls(*_split(text))
 
     def __post_init__(self) -> None:
-        # Constructed directly, a Reference is checked the same way as a parsed one.
-        text = f"{self.registry}/{self.repository}"
-        if self.tag is not None:
-            text += f":{self.tag}"
-        if self.digest is not None:
-            text += f"@{self.digest}"
-        parsed = Reference.parse(text) if not _PARSING.active else None
-        if parsed is not None and parsed != self:
-            raise InvalidArgument(f"reference parts do not form a reference: {_show(text)}")
+        # Built from parts, a Reference is checked like a parsed one.
+        if _split(str(self)) != (self.registry, self.repository, self.tag, self.digest):
+            raise InvalidArgument(f"reference parts do not form a reference: {_show(str(self))}")
 
     def __str__(self) -> str:
         text = f"{self.registry}/{self.repository}"

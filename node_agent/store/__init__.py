@@ -1,32 +1,49 @@
-"""The node's content-addressed checkpoint store.
+"""The node's checkpoint store: an OCI image layout of content-defined, compressed chunks.
 
 Rule: the store sees files and digests, never pods. Callers hand in a tree of
-files and an opaque JSON metadata object; the store chunks, deduplicates,
-verifies and publishes them, and gives them back by checkpoint id. It is
-synchronous: async callers run it in worker threads.
+files, an opaque JSON metadata object and string annotations; the store
+chunks, compresses, deduplicates, verifies and publishes them as an OCI
+artifact manifest, and gives them back by checkpoint id. It is synchronous
+(async callers run it in worker threads) and spreads chunk work over its
+own thread pools. See docs/store.md.
 """
 
-from node_agent.store.checkpoints import (
-    DEFAULT_CHUNK_SIZE,
-    BadBlob,
-    CheckpointRecord,
-    CheckpointWriter,
-    FileReader,
-    RecoveryReport,
-    Store,
+from node_agent.store.checkpoints import DEFAULT_CHUNK_SIZE, Store
+from node_agent.store.gc import GcReport, RetentionPolicy
+from node_agent.store.importing import BlobImporter
+from node_agent.store.manifest import (
+    ARTIFACT_TYPE,
+    CHUNK_MEDIA_TYPE,
+    CHUNK_ZSTD_MEDIA_TYPE,
+    CONFIG_MEDIA_TYPE,
+    MEDIA_TYPE,
+    SCHEMA_VERSION,
+    Chunk,
+    Descriptor,
+    FileEntry,
 )
-from node_agent.store.manifest import MEDIA_TYPE, SCHEMA_VERSION, Chunk, FileEntry
+from node_agent.store.reading import FileReader
+from node_agent.store.records import BadBlob, CheckpointRecord, RecoveryReport
+from node_agent.store.writer import CheckpointWriter
 
 __all__ = [
+    "ARTIFACT_TYPE",
+    "CHUNK_MEDIA_TYPE",
+    "CHUNK_ZSTD_MEDIA_TYPE",
+    "CONFIG_MEDIA_TYPE",
     "DEFAULT_CHUNK_SIZE",
     "MEDIA_TYPE",
     "SCHEMA_VERSION",
     "BadBlob",
+    "BlobImporter",
     "CheckpointRecord",
     "CheckpointWriter",
     "Chunk",
+    "Descriptor",
     "FileEntry",
     "FileReader",
+    "GcReport",
     "RecoveryReport",
+    "RetentionPolicy",
     "Store",
 ]

@@ -1,7 +1,7 @@
 """Content-addressed blobs, the ingest area and the store's locks.
 
 Rule: a blob is verified before it becomes visible, and verified again when it
-is read. Blobs live at ``blobs/sha256/<hex>`` and never change once renamed
+is read. Blobs live at ``blobs/sha256/<hex>`` and never change once linked
 there. New data is written to a writer's own ``ingest/<random>/`` directory,
 which holds a lease (an exclusive flock) and an append-only ``refs`` file
 naming every digest the writer uses; garbage collection keeps every digest
@@ -20,11 +20,21 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Collection, Iterable, Iterator
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
+from concurrent.futures import Executor
 from typing import Final
 
-from node_agent.errors import DataLoss, Internal
-from node_agent.store.manifest import digest_hex, is_hex_digest
+from node_agent.errors import (
+    AgentError,
+    DataLoss,
+    FailedPrecondition,
+    Internal,
+    NotFound,
+    ResourceExhausted,
+)
+from node_agent.store import codec
+from node_agent.store.manifest import Chunk, digest_hex, is_hex_digest
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +42,27 @@ DIR_MODE: Final = 0o700
 FILE_MODE: Final = 0o600
 LEASE_NAME: Final = "lease"
 REFS_NAME: Final = "refs"
-_CHUNK_PREFIX: Final = "chunk-"
+BLOB_PREFIX: Final = "blob-"
 _DIGEST_SCAN_RE: Final = re.compile(rb"sha256:([0-9a-f]{64})")
 _SCAN_BLOCK: Final = 1 << 20
-_O_CLOEXEC: Final = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY: Final = getattr(os, "O_DIRECTORY", 0)
+O_CLOEXEC: Final = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY: Final = getattr(os, "O_DIRECTORY", 0)
+_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+
+
+def os_error(exc: OSError, what: str) -> AgentError:
+    """Translate an OSError into the agent's hierarchy."""
+    detail = f"{what}: {exc.strerror or exc}"
+    if exc.errno == errno.ENOENT:
+        return NotFound(detail)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return FailedPrecondition(detail)
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+        return FailedPrecondition(f"{detail} (an unexpected file or symlink is in the way)")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
+        return ResourceExhausted(detail)
+    return Internal(detail)
 
 
 def ensure_dir(path: str) -> None:
@@ -55,35 +80,30 @@ def ensure_dir(path: str) -> None:
 
 def fsync_dir(path: str) -> None:
     """Flush a directory's entries to disk."""
-    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_file_synced(path: str, data: bytes) -> None:
-    """Create ``path`` (0600, must not exist), write ``data`` and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd``."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
-def write_new_file(path: str, data: bytes | memoryview) -> None:
-    """Create ``path`` (0600, must not exist) and write ``data``, without fsync.
+def write_new_file(path: str, data: bytes | bytearray | memoryview, *, sync: bool = False) -> None:
+    """Create ``path`` (0600, must not exist), write ``data``, fsync when ``sync``.
 
     A failed write removes the partial file.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE)
+    fd = os.open(path, _NEW_FILE, FILE_MODE)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -98,19 +118,22 @@ def read_bounded(path: str, limit: int) -> bytes:
     Raises OSError for I/O problems and ValueError when the file is larger
     than ``limit`` or not a regular file.
     """
-    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
         if st.st_size > limit:
             raise ValueError(f"{st.st_size} bytes exceeds the {limit}-byte limit")
-        return _read_exact(fd, limit + 1)
+        data = _read_upto(fd, limit + 1)
     finally:
         os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"more than {limit} bytes")
+    return data
 
 
-def _read_exact(fd: int, limit: int) -> bytes:
+def _read_upto(fd: int, limit: int) -> bytes:
     parts: list[bytes] = []
     remaining = limit
     while remaining > 0:
@@ -119,7 +142,7 @@ def _read_exact(fd: int, limit: int) -> bytes:
             break
         parts.append(part)
         remaining -= len(part)
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def scan_digests(path: str) -> set[str]:
@@ -130,7 +153,7 @@ def scan_digests(path: str) -> set[str]:
     """
     found: set[str] = set()
     with contextlib.suppress(FileNotFoundError):
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         try:
             tail = b""
             while True:
@@ -140,7 +163,6 @@ def scan_digests(path: str) -> set[str]:
                 window = tail + block
                 found.update("sha256:" + m.decode() for m in _DIGEST_SCAN_RE.findall(window))
                 tail = window[-80:]
-            found.update("sha256:" + m.decode() for m in _DIGEST_SCAN_RE.findall(tail))
         finally:
             os.close(fd)
     return found
@@ -153,7 +175,7 @@ def store_lock(lock_path: str, *, exclusive: bool) -> Iterator[None]:
     Each acquisition opens its own file description, so threads of one
     process exclude each other exactly as separate processes do.
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
@@ -162,7 +184,7 @@ def store_lock(lock_path: str, *, exclusive: bool) -> Iterator[None]:
 
 
 class BlobStore:
-    """The ``blobs/sha256`` directory: paths, verified reads, sizes, deletion."""
+    """The ``blobs/sha256`` directory: paths, verified reads, sizes, linking, deletion."""
 
     def __init__(self, root: str) -> None:
         self.parent = os.path.join(root, "blobs")
@@ -192,14 +214,33 @@ class BlobStore:
             raise DataLoss(f"blob {digest}: {problem}")
         return data
 
+    def read_chunk(self, chunk: Chunk) -> bytes:
+        """A chunk's content: its blob read, verified and decoded; DataLoss otherwise."""
+        data = self.read(chunk.digest, chunk.stored_size)
+        try:
+            return codec.decode(data, chunk.encoding, chunk.size)
+        except codec.DecodeError as exc:
+            raise DataLoss(f"blob {chunk.digest}: {exc}") from None
+
     def check(self, digest: str, size: int) -> str | None:
         """Verify a stored blob; return the reason it is bad, or None."""
         return self._load(digest, size)[0]
 
+    def check_chunk(self, chunk: Chunk) -> str | None:
+        """Verify a chunk's blob and that it decodes to the chunk's size; the reason it is bad, or None."""
+        problem, data = self._load(chunk.digest, chunk.stored_size)
+        if problem is not None:
+            return problem
+        try:
+            codec.decode(data, chunk.encoding, chunk.size)
+        except codec.DecodeError as exc:
+            return f"undecodable ({exc})"
+        return None
+
     def _load(self, digest: str, size: int) -> tuple[str | None, bytes]:
         path = self.path(digest)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         except FileNotFoundError:
             return "missing", b""
         except OSError as exc:
@@ -208,13 +249,15 @@ class BlobStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return "not a regular file", b""
-            data = _read_exact(fd, size + 1)
+            if st.st_size != size:
+                return f"size mismatch (expected {size} bytes, found {st.st_size})", b""
+            data = _read_upto(fd, size + 1)
         except OSError as exc:
             return f"unreadable ({exc.strerror})", b""
         finally:
             os.close(fd)
         if len(data) != size:
-            return f"size mismatch (expected {size} bytes, found {len(data) if len(data) <= size else 'more'})", b""
+            return f"size mismatch (expected {size} bytes, read {len(data) if len(data) <= size else 'more'})", b""
         actual = "sha256:" + hashlib.sha256(data).hexdigest()
         if actual != digest:
             return f"digest mismatch (content hashes to {actual})", b""
@@ -226,6 +269,29 @@ class BlobStore:
             for entry in it:
                 if is_hex_digest(entry.name):
                     yield "sha256:" + entry.name, entry
+
+    def sizes(self) -> dict[str, int]:
+        """Size of every well-named regular blob."""
+        out: dict[str, int] = {}
+        for digest, entry in self.digests():
+            with contextlib.suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                out[digest] = st.st_size
+        return out
+
+    def link_in(self, temp: str, digest: str) -> None:
+        """Make the verified file ``temp`` the blob ``digest`` (renamed into place).
+
+        A blob of that name already there holds the same bytes or is damaged;
+        either way the verified copy may replace it (readers that have the old
+        file open keep reading it). The caller fsyncs the blob directory.
+        """
+        os.replace(temp, self.path(digest))
+
+    def sync(self) -> None:
+        """Flush the blob directories' entries to disk."""
+        fsync_dir(self.dir)
+        fsync_dir(self.parent)
 
     def delete(self, digests: Iterable[str]) -> tuple[list[str], int]:
         """Unlink blobs; return the digests removed and the bytes freed."""
@@ -246,97 +312,143 @@ class BlobStore:
 
 
 class Ingest:
-    """One writer's scratch directory under ``ingest/``, held by a lease.
+    """One writer's or importer's scratch directory under ``ingest/``, held by a lease.
 
-    The writer appends each digest it uses to ``refs`` before relying on it,
-    under the shared store lock, so an exclusive-lock holder (publish, GC)
-    sees a consistent set. New chunks are written as ``chunk-<hex>`` files
-    and renamed into the blob directory only after fsync and verification.
+    Every digest the owner relies on is appended to ``refs`` before the
+    owner checks whether the blob exists, under the shared store lock, so an
+    exclusive-lock holder (publish, GC) sees a consistent set. New blobs are
+    written as ``blob-<hex>`` files and linked into the blob directory only
+    after fsync and verification. Safe to use from several threads.
     """
 
     def __init__(self, ingest_root: str, lock_path: str, blobs: BlobStore) -> None:
         self._blobs = blobs
         self._lock_path = lock_path
+        self._mutex = threading.Lock()
         self.dir = os.path.join(ingest_root, secrets.token_hex(16))
         self._lease_fd = -1
         self._refs_fd = -1
         self._known: set[str] = set()
+        self._synced: set[str] = set()
         self.pending: dict[str, int] = {}
         with store_lock(lock_path, exclusive=False):
             os.mkdir(self.dir, DIR_MODE)
             try:
                 self._lease_fd = os.open(
-                    os.path.join(self.dir, LEASE_NAME),
-                    os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                    FILE_MODE,
+                    os.path.join(self.dir, LEASE_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE
                 )
                 fcntl.flock(self._lease_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.write(self._lease_fd, f"pid={os.getpid()}\n".encode())
                 self._refs_fd = os.open(
                     os.path.join(self.dir, REFS_NAME),
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _O_NOFOLLOW | _O_CLOEXEC,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
                     FILE_MODE,
                 )
             except BaseException:
                 self.release()
                 raise
 
-    def put(self, digest: str, data: bytes | memoryview) -> bool:
-        """Make ``data`` (whose digest is ``digest``) available to this writer.
+    def temp_path(self, digest: str) -> str:
+        """Where this ingest writes the new blob ``digest`` before it is linked in."""
+        return os.path.join(self.dir, BLOB_PREFIX + digest_hex(digest))
 
-        Returns True when the bytes were written (a new blob), False when an
-        existing blob or an earlier chunk of this writer already holds them.
+    def claim(self, digest: str) -> bool:
+        """Whether this is the first time the owner asks for ``digest`` (thread-safe)."""
+        with self._mutex:
+            if digest in self._known:
+                return False
+            self._known.add(digest)
+            return True
+
+    def forget(self, digest: str) -> None:
+        """Undo ``claim`` after a failed write, so a retry writes the blob again."""
+        with self._mutex:
+            self._known.discard(digest)
+            self.pending.pop(digest, None)
+
+    def reference(self, digest: str, size: int) -> bool:
+        """Record ``digest`` in ``refs``; return whether an intact-sized blob is already stored.
+
+        From here on garbage collection keeps the blob while the lease lives.
         """
-        if digest in self._known:
-            return False
-        hexpart = digest_hex(digest)
         with store_lock(self._lock_path, exclusive=False):
             os.write(self._refs_fd, f"{digest}\n".encode())
-            existing = self._blobs.size_of(digest)
-        if existing != len(data):
-            write_new_file(os.path.join(self.dir, _CHUNK_PREFIX + hexpart), data)
-            self.pending[digest] = len(data)
-        self._known.add(digest)
-        return existing != len(data)
+            return self._blobs.size_of(digest) == size
 
-    def commit_blobs(self, used: Collection[str]) -> None:
-        """Fsync and verify the new chunks in ``used``, rename them into place, fsync the dirs.
+    def add_pending(self, digest: str, size: int) -> None:
+        """Note that ``temp_path(digest)`` holds ``size`` new bytes to link in at commit."""
+        with self._mutex:
+            self.pending[digest] = size
 
-        Pending chunks that nothing uses (left by a failed add) stay in the
+    def put(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        """Make ``data`` (whose sha256 is ``digest``) available to the owner.
+
+        Returns True when the bytes were written (a new blob), False when an
+        existing blob or an earlier call already holds them.
+        """
+        if not self.claim(digest):
+            return False
+        size = len(data)
+        try:
+            if self.reference(digest, size):
+                return False
+            write_new_file(self.temp_path(digest), data)
+        except BaseException:
+            self.forget(digest)
+            raise
+        self.add_pending(digest, size)
+        return True
+
+    def flush(self, digest: str) -> None:
+        """Fsync a new blob's ingest file early (commit then only checks it)."""
+        fd = os.open(self.temp_path(digest), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._mutex:
+            self._synced.add(digest)
+
+    def commit_blobs(self, used: Collection[str], executor: Executor | None = None) -> None:
+        """Fsync and check the new blobs in ``used``, link them into place, fsync the dirs once.
+
+        Pending blobs that nothing uses (left by a failed add) stay in the
         ingest directory and vanish with it.
         """
-        checked: list[tuple[str, str]] = []
-        for digest, size in self.pending.items():
-            if digest not in used:
-                continue
-            temp = os.path.join(self.dir, _CHUNK_PREFIX + digest_hex(digest))
-            fd = os.open(temp, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        todo = [(d, s) for d, s in self.pending.items() if d in used]
+        run: Callable[[tuple[str, int]], None] = self._sync_one
+        if executor is not None and len(todo) > 1:
+            for _ in executor.map(run, todo):
+                pass
+        else:
+            for item in todo:
+                run(item)
+        for digest, _ in todo:
+            self._blobs.link_in(self.temp_path(digest), digest)
+        if todo:
+            self._blobs.sync()
+        with self._mutex:
+            for digest, _ in todo:
+                self.pending.pop(digest, None)
+
+    def _sync_one(self, item: tuple[str, int]) -> None:
+        digest, size = item
+        path = self.temp_path(digest)
+        with self._mutex:
+            synced = digest in self._synced
+        if synced:
+            st = os.lstat(path)
+        else:
+            fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
             try:
                 os.fsync(fd)
-                data = _read_exact(fd, size + 1)
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
-            actual = "sha256:" + hashlib.sha256(data).hexdigest()
-            if len(data) != size or actual != digest:
-                raise DataLoss(
-                    f"blob {digest}: ingest copy failed verification "
-                    f"({len(data)} bytes hashing to {actual}, expected {size} bytes)"
-                )
-            checked.append((digest, temp))
-        for digest, temp in checked:
-            final = self._blobs.path(digest)
-            try:
-                os.link(temp, final)
-            except FileExistsError:
-                if self._blobs.size_of(digest) != self.pending[digest]:
-                    os.replace(temp, final)
-                    log.warning("replaced damaged blob %s", digest, extra={"digest": digest})
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        if checked:
-            fsync_dir(self._blobs.dir)
-            fsync_dir(self._blobs.parent)
-        self.pending.clear()
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise DataLoss(
+                f"blob {digest}: ingest copy failed verification ({st.st_size} bytes on disk, {size} written)"
+            )
 
     def release(self) -> None:
         """Delete the ingest directory, then drop the lease. Idempotent."""
@@ -357,7 +469,7 @@ def lease_is_live(ingest_dir: str) -> bool:
     and takes its lease under the shared lock, so no half-made lease is seen.
     """
     try:
-        fd = os.open(os.path.join(ingest_dir, LEASE_NAME), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        fd = os.open(os.path.join(ingest_dir, LEASE_NAME), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -1,10 +1,14 @@
-"""The checkpoint manifest: schema, canonical encoding and validation.
+"""The store's documents: the OCI index, checkpoint manifests and their config blobs.
 
-Rule: a manifest is data, never trusted. Everything loaded from disk goes
-through ``decode_manifest``, which checks the schema, the types, every path
-(relative, normalized, no ``..``, no duplicates, no file used as a directory),
-every chunk list (contiguous offsets summing to the file size, well-formed
-digests) and the size bounds. This module does no I/O.
+Rule: a document is data, never trusted. Everything read from disk or handed
+in by an importer goes through ``decode_index``, ``decode_manifest`` and
+``decode_config``, which check the schema, the types, every path (relative,
+normalized, no ``..``, no duplicates, no file used as a directory), every
+chunk list (contiguous offsets summing to the file size, well-formed
+digests, consistent sizes and encodings) and the size bounds; and through
+``check_layers``, which ties a manifest's layers to its config's file table.
+Encoding is canonical JSON, so the same content always gives the same bytes.
+This module does no I/O.
 """
 
 from __future__ import annotations
@@ -14,48 +18,101 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final, Literal
 
 from node_agent.errors import DataLoss, InvalidArgument
 
-SCHEMA_VERSION: Final = 1
-MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.manifest.v1+json"
-IDENTITY: Final = "identity"
-SUPPORTED_ENCODINGS: Final = frozenset({IDENTITY})
+# -- media types and names ----------------------------------------------------------------
 
-MAX_MANIFEST_BYTES: Final = 64 << 20
+OCI_LAYOUT_VERSION: Final = "1.0.0"
+OCI_INDEX_MEDIA_TYPE: Final = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST_MEDIA_TYPE: Final = "application/vnd.oci.image.manifest.v1+json"
+ARTIFACT_TYPE: Final = "application/vnd.node-agent.checkpoint.v1"
+CONFIG_MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.config.v1+json"
+CHUNK_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1"
+CHUNK_ZSTD_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1+zstd"
+EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
+EMPTY_BLOB: Final = b"{}"
+EMPTY_DIGEST: Final = "sha256:" + hashlib.sha256(EMPTY_BLOB).hexdigest()
+CREATED_ANNOTATION: Final = "org.opencontainers.image.created"
+
+# Kept for callers of the first store format's names.
+SCHEMA_VERSION: Final = 2
+MEDIA_TYPE: Final = ARTIFACT_TYPE
+
+IDENTITY: Final = "identity"
+ZSTD: Final = "zstd"
+SUPPORTED_ENCODINGS: Final = frozenset({IDENTITY, ZSTD})
+CHUNK_MEDIA_TYPES: Final = MappingProxyType({IDENTITY: CHUNK_MEDIA_TYPE, ZSTD: CHUNK_ZSTD_MEDIA_TYPE})
+
+# -- bounds --------------------------------------------------------------------------------
+
+MAX_MANIFEST_BYTES: Final = 16 << 20
+MAX_CONFIG_BYTES: Final = 64 << 20
+MAX_INDEX_BYTES: Final = 64 << 20
 MAX_ENTRIES: Final = 1_000_000
-MAX_CHUNK_SIZE: Final = 64 << 20
+MAX_INDEX_ENTRIES: Final = 1_000_000
+MAX_CHUNK_SIZE: Final = 16 << 20
+MAX_STORED_CHUNK_SIZE: Final = MAX_CHUNK_SIZE + (1 << 20)
+MAX_BLOB_SIZE: Final = max(MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, MAX_STORED_CHUNK_SIZE)
 MAX_PATH_BYTES: Final = 4096
 MAX_NAME_BYTES: Final = 255
 MAX_MODE: Final = 0o7777
+MAX_ANNOTATIONS: Final = 1024
+MAX_ANNOTATION_BYTES: Final = 64 << 10
 
 _HEX_RE: Final = re.compile(r"[0-9a-f]{64}")
 _CREATED_RE: Final = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z")
-_TOP_KEYS: Final = frozenset({"schemaVersion", "mediaType", "created", "metadata", "files"})
+_MEDIA_TYPE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}")
+_MANIFEST_KEYS: Final = frozenset({"schemaVersion", "mediaType", "artifactType", "config", "layers", "annotations"})
+_DESCRIPTOR_KEYS: Final = frozenset({"mediaType", "digest", "size"})
+_CONFIG_KEYS: Final = frozenset({"metadata", "files"})
 _FILE_KEYS: Final = frozenset({"path", "type", "mode", "size", "chunks"})
 _DIR_KEYS: Final = frozenset({"path", "type", "mode"})
-_CHUNK_KEYS: Final = frozenset({"digest", "size", "offset", "encoding"})
-_CHUNK_REQUIRED: Final = frozenset({"digest", "size", "offset"})
+_CHUNK_KEYS: Final = frozenset({"digest", "offset", "size", "stored_size", "encoding"})
+_INDEX_KEYS: Final = frozenset({"schemaVersion", "mediaType", "manifests", "annotations", "artifactType", "subject"})
 
 EntryType = Literal["file", "dir"]
 
 
+# -- values ----------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """A byte range ``[offset, offset + size)`` of a file, stored as one blob."""
+    """A byte range ``[offset, offset + size)`` of a file, stored as one blob.
+
+    ``digest`` and ``stored_size`` describe the stored bytes (compressed when
+    ``encoding`` is ``"zstd"``); ``size`` is the uncompressed length.
+    """
 
     digest: str
     size: int
     offset: int
     encoding: str = IDENTITY
+    stored_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.stored_size < 0:
+            if self.encoding != IDENTITY:
+                raise InvalidArgument(f"chunk {self.digest}: a {self.encoding} chunk needs its stored size")
+            object.__setattr__(self, "stored_size", self.size)
+
+    @property
+    def media_type(self) -> str:
+        """The layer media type of the chunk's blob."""
+        return CHUNK_MEDIA_TYPES[self.encoding]
 
     def to_json(self) -> dict[str, Any]:
-        """The chunk's manifest record; ``encoding`` is omitted when identity."""
-        out: dict[str, Any] = {"digest": self.digest, "size": self.size, "offset": self.offset}
-        if self.encoding != IDENTITY:
-            out["encoding"] = self.encoding
-        return out
+        """The chunk's record in the config's file table."""
+        return {
+            "digest": self.digest,
+            "offset": self.offset,
+            "size": self.size,
+            "stored_size": self.stored_size,
+            "encoding": self.encoding,
+        }
 
 
 @dataclass(frozen=True)
@@ -74,7 +131,7 @@ class FileEntry:
         return self.type == "dir"
 
     def to_json(self) -> dict[str, Any]:
-        """The entry's manifest record."""
+        """The entry's record in the config's file table."""
         if self.type == "dir":
             return {"path": self.path, "type": "dir", "mode": self.mode}
         return {
@@ -86,13 +143,53 @@ class FileEntry:
         }
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """A decoded, validated manifest."""
+def _empty_annotations() -> Mapping[str, str]:
+    return MappingProxyType({})
 
-    created: str
+
+@dataclass(frozen=True)
+class Descriptor:
+    """An OCI content descriptor: what a blob is, its digest and its size."""
+
+    media_type: str
+    digest: str
+    size: int
+    annotations: Mapping[str, str] = field(default_factory=_empty_annotations)
+
+    def to_json(self) -> dict[str, Any]:
+        """The descriptor as OCI JSON (``annotations`` omitted when empty)."""
+        out: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+        if self.annotations:
+            out["annotations"] = dict(self.annotations)
+        return out
+
+
+EMPTY_DESCRIPTOR: Final = Descriptor(EMPTY_MEDIA_TYPE, EMPTY_DIGEST, len(EMPTY_BLOB))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """A decoded, validated config blob: the caller's metadata and the file table."""
+
     metadata: Mapping[str, Any]
     files: tuple[FileEntry, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """A decoded, validated checkpoint manifest."""
+
+    config: Descriptor
+    layers: tuple[Descriptor, ...]
+    annotations: Mapping[str, str]
+
+    @property
+    def created(self) -> str:
+        """The RFC 3339 creation time (from the ``org.opencontainers.image.created`` annotation)."""
+        return self.annotations[CREATED_ANNOTATION]
+
+
+# -- small helpers ----------------------------------------------------------------------------
 
 
 def digest_hex(digest: str) -> str:
@@ -110,9 +207,14 @@ def is_hex_digest(hexpart: str) -> bool:
     return _HEX_RE.fullmatch(hexpart) is not None
 
 
-def sha256_digest(data: bytes) -> str:
+def sha256_digest(data: bytes | bytearray | memoryview) -> str:
     """``sha256:<hex>`` of ``data``."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def is_created(value: object) -> bool:
+    """Whether ``value`` is an RFC 3339 UTC timestamp as the store writes them."""
+    return isinstance(value, str) and _CREATED_RE.fullmatch(value) is not None
 
 
 def normalize_path(path: str) -> str:
@@ -146,20 +248,90 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def encode_manifest(created: str, metadata: Mapping[str, Any], files: Sequence[FileEntry]) -> bytes:
-    """Canonical bytes of a manifest (sorted keys, no whitespace, ASCII)."""
-    doc = {
-        "schemaVersion": SCHEMA_VERSION,
-        "mediaType": MEDIA_TYPE,
-        "created": created,
-        "metadata": dict(metadata),
-        "files": [f.to_json() for f in files],
-    }
+def canonical_json(doc: Any) -> bytes:
+    """Canonical bytes of a JSON document: sorted keys, no whitespace, ASCII only."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii")
+
+
+def check_annotations(annotations: object) -> dict[str, str]:
+    """Validate a string-to-string annotation map; InvalidArgument otherwise."""
+    if not isinstance(annotations, Mapping):
+        raise InvalidArgument("annotations must be a mapping of strings to strings")
+    if len(annotations) > MAX_ANNOTATIONS:
+        raise InvalidArgument(f"{len(annotations)} annotations exceeds the limit of {MAX_ANNOTATIONS}")
+    out: dict[str, str] = {}
+    for key, value in annotations.items():
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise InvalidArgument(f"annotation {key!r}: keys must be non-empty strings and values strings")
+        if len(key) + len(value) > MAX_ANNOTATION_BYTES:
+            raise InvalidArgument(f"annotation {key!r} is longer than {MAX_ANNOTATION_BYTES} characters")
+        out[key] = value
+    return out
+
+
+# -- encoding ----------------------------------------------------------------------------------
+
+
+def encode_config(metadata: Mapping[str, Any], files: Sequence[FileEntry]) -> bytes:
+    """Canonical bytes of a config blob."""
+    doc = {"metadata": dict(metadata), "files": [f.to_json() for f in files]}
     try:
-        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return canonical_json(doc)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"metadata is not a JSON object: {exc}") from exc
-    return text.encode("utf-8")
+
+
+def layers_for(files: Sequence[FileEntry]) -> tuple[Descriptor, ...]:
+    """The layer list of a file table: one descriptor per distinct chunk blob, in order of first use.
+
+    A checkpoint without chunks has the single empty descriptor, as OCI
+    artifacts without content should.
+    """
+    seen: set[str] = set()
+    layers: list[Descriptor] = []
+    for entry in files:
+        for chunk in entry.chunks:
+            if chunk.digest not in seen:
+                seen.add(chunk.digest)
+                layers.append(Descriptor(chunk.media_type, chunk.digest, chunk.stored_size))
+    return tuple(layers) if layers else (EMPTY_DESCRIPTOR,)
+
+
+def encode_manifest(config: Descriptor, layers: Sequence[Descriptor], annotations: Mapping[str, str]) -> bytes:
+    """Canonical bytes of a checkpoint manifest."""
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST_MEDIA_TYPE,
+        "artifactType": ARTIFACT_TYPE,
+        "config": config.to_json(),
+        "layers": [layer.to_json() for layer in layers],
+        "annotations": dict(annotations),
+    }
+    return canonical_json(doc)
+
+
+def index_entry(manifest_digest: str, manifest_size: int, annotations: Mapping[str, str]) -> dict[str, Any]:
+    """The index.json record of a published checkpoint manifest."""
+    return {
+        "mediaType": OCI_MANIFEST_MEDIA_TYPE,
+        "digest": manifest_digest,
+        "size": manifest_size,
+        "artifactType": ARTIFACT_TYPE,
+        "annotations": dict(annotations),
+    }
+
+
+def encode_index(entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """Canonical bytes of an OCI image index listing ``entries``."""
+    return canonical_json({"schemaVersion": 2, "mediaType": OCI_INDEX_MEDIA_TYPE, "manifests": [dict(e) for e in entries]})
+
+
+def oci_layout() -> bytes:
+    """Bytes of the ``oci-layout`` marker file."""
+    return canonical_json({"imageLayoutVersion": OCI_LAYOUT_VERSION})
+
+
+# -- decoding ----------------------------------------------------------------------------------
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -183,43 +355,170 @@ class _Invalid(Exception):
     """Internal: a validation failure, turned into the caller's error class."""
 
 
-def decode_manifest(data: bytes, *, error: type[Exception] = DataLoss, what: str = "manifest") -> Manifest:
-    """Parse and validate manifest bytes.
-
-    ``error`` is the class raised on any problem (DataLoss for stored
-    manifests, InvalidArgument for caller input); ``what`` names the
-    manifest in messages.
-    """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise error(f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+def parse_json(data: bytes, limit: int, *, error: type[Exception], what: str) -> Any:
+    """Parse bounded, strict JSON: UTF-8, no duplicate keys, no NaN; ``error`` otherwise."""
+    if len(data) > limit:
+        raise error(f"{what}: {len(data)} bytes exceeds the {limit}-byte limit")
     try:
-        doc = json.loads(
+        return json.loads(
             data.decode("utf-8"),
             object_pairs_hook=_no_duplicate_keys,
             parse_constant=_reject_constant,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise error(f"{what}: not valid JSON: {exc}") from exc
+
+
+def decode_config(data: bytes, *, error: type[Exception] = DataLoss, what: str = "config") -> CheckpointConfig:
+    """Parse and validate config blob bytes.
+
+    ``error`` is the class raised on any problem (DataLoss for stored
+    blobs, InvalidArgument for caller input); ``what`` names the blob in
+    messages.
+    """
+    doc = parse_json(data, MAX_CONFIG_BYTES, error=error, what=what)
     try:
-        return _validate(doc)
+        return _validate_config(doc)
     except (_Invalid, InvalidArgument) as exc:
         raise error(f"{what}: {exc}") from exc
 
 
-def _validate(doc: object) -> Manifest:
+def decode_manifest(data: bytes, *, error: type[Exception] = DataLoss, what: str = "manifest") -> CheckpointManifest:
+    """Parse and validate checkpoint manifest bytes (see ``decode_config`` for the arguments)."""
+    doc = parse_json(data, MAX_MANIFEST_BYTES, error=error, what=what)
+    try:
+        return _validate_manifest(doc)
+    except (_Invalid, InvalidArgument) as exc:
+        raise error(f"{what}: {exc}") from exc
+
+
+def decode_index(data: bytes, *, error: type[Exception] = DataLoss, what: str = "index.json") -> list[dict[str, Any]]:
+    """Parse and validate an OCI image index; return its manifest records.
+
+    Records of other kinds (images, indexes, other artifacts) are kept as
+    they are, so a rewrite of the index preserves them; each must still be a
+    descriptor with a well-formed digest and size.
+    """
+    doc = parse_json(data, MAX_INDEX_BYTES, error=error, what=what)
+    try:
+        if not isinstance(doc, dict):
+            raise _Invalid("top level is not an object")
+        extra = sorted(set(doc) - _INDEX_KEYS)
+        if extra:
+            raise _Invalid(f"unexpected keys {extra}")
+        if not _is_int(doc.get("schemaVersion")) or doc["schemaVersion"] != 2:
+            raise _Invalid(f"unsupported schemaVersion {doc.get('schemaVersion')!r}")
+        if doc.get("mediaType", OCI_INDEX_MEDIA_TYPE) != OCI_INDEX_MEDIA_TYPE:
+            raise _Invalid(f"unsupported mediaType {doc.get('mediaType')!r}")
+        manifests = doc.get("manifests")
+        if not isinstance(manifests, list):
+            raise _Invalid("manifests is not a list")
+        if len(manifests) > MAX_INDEX_ENTRIES:
+            raise _Invalid(f"{len(manifests)} entries exceeds the limit of {MAX_INDEX_ENTRIES}")
+        seen: set[str] = set()
+        out: list[dict[str, Any]] = []
+        for i, raw in enumerate(manifests):
+            if not isinstance(raw, dict):
+                raise _Invalid(f"manifests[{i}] is not an object")
+            _descriptor(f"manifests[{i}]", raw, exact=False)
+            if is_checkpoint_entry(raw):
+                if raw["digest"] in seen:
+                    raise _Invalid(f"manifests[{i}]: checkpoint {raw['digest']} is listed twice")
+                seen.add(raw["digest"])
+                if raw.get("mediaType") != OCI_MANIFEST_MEDIA_TYPE:
+                    raise _Invalid(f"manifests[{i}]: a checkpoint must be an OCI image manifest")
+                check_annotations(raw.get("annotations", {}))
+            out.append(raw)
+        return out
+    except (_Invalid, InvalidArgument) as exc:
+        raise error(f"{what}: {exc}") from exc
+
+
+def is_checkpoint_entry(raw: Mapping[str, Any]) -> bool:
+    """Whether an index record names a checkpoint manifest of this store."""
+    return raw.get("artifactType") == ARTIFACT_TYPE
+
+
+def _descriptor(where: str, raw: object, *, exact: bool = True) -> Descriptor:
+    if not isinstance(raw, dict):
+        raise _Invalid(f"{where}: not an object")
+    keys = set(raw)
+    if exact and keys != _DESCRIPTOR_KEYS:
+        raise _Invalid(f"{where}: a descriptor has exactly the keys {sorted(_DESCRIPTOR_KEYS)}, not {sorted(keys)}")
+    if not exact and not _DESCRIPTOR_KEYS <= keys:
+        raise _Invalid(f"{where}: a descriptor needs the keys {sorted(_DESCRIPTOR_KEYS)}")
+    media_type = raw["mediaType"]
+    if not isinstance(media_type, str) or not _MEDIA_TYPE_RE.fullmatch(media_type):
+        raise _Invalid(f"{where}: malformed mediaType {media_type!r}")
+    try:
+        digest_hex(raw["digest"])
+    except InvalidArgument as exc:
+        raise _Invalid(f"{where}: {exc}") from None
+    size = raw["size"]
+    if not _is_int(size) or size < 0:
+        raise _Invalid(f"{where}: size {size!r} is not a non-negative integer")
+    return Descriptor(media_type, raw["digest"], size)
+
+
+def _validate_manifest(doc: object) -> CheckpointManifest:
     if not isinstance(doc, dict):
         raise _Invalid("top level is not an object")
     keys = set(doc)
-    if keys != _TOP_KEYS:
-        missing, extra = sorted(_TOP_KEYS - keys), sorted(keys - _TOP_KEYS)
+    if keys != _MANIFEST_KEYS:
+        missing, extra = sorted(_MANIFEST_KEYS - keys), sorted(keys - _MANIFEST_KEYS)
         raise _Invalid(f"wrong top-level keys (missing {missing}, unexpected {extra})")
-    if not _is_int(doc["schemaVersion"]) or doc["schemaVersion"] != SCHEMA_VERSION:
+    if not _is_int(doc["schemaVersion"]) or doc["schemaVersion"] != 2:
         raise _Invalid(f"unsupported schemaVersion {doc['schemaVersion']!r}")
-    if doc["mediaType"] != MEDIA_TYPE:
+    if doc["mediaType"] != OCI_MANIFEST_MEDIA_TYPE:
         raise _Invalid(f"unsupported mediaType {doc['mediaType']!r}")
-    created = doc["created"]
-    if not isinstance(created, str) or not _CREATED_RE.fullmatch(created):
-        raise _Invalid(f"created {created!r} is not an RFC 3339 UTC timestamp")
+    if doc["artifactType"] != ARTIFACT_TYPE:
+        raise _Invalid(f"unsupported artifactType {doc['artifactType']!r}")
+    config = _descriptor("config", doc["config"])
+    if config.media_type != CONFIG_MEDIA_TYPE:
+        raise _Invalid(f"config: unsupported mediaType {config.media_type!r}")
+    if config.size > MAX_CONFIG_BYTES:
+        raise _Invalid(f"config: {config.size} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit")
+    raw_layers = doc["layers"]
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise _Invalid("layers is not a non-empty list")
+    layers = tuple(_descriptor(f"layers[{i}]", raw) for i, raw in enumerate(raw_layers))
+    try:
+        annotations = check_annotations(doc["annotations"])
+    except InvalidArgument as exc:
+        raise _Invalid(str(exc)) from None
+    if not is_created(annotations.get(CREATED_ANNOTATION)):
+        raise _Invalid(f"annotation {CREATED_ANNOTATION} is missing or not an RFC 3339 UTC timestamp")
+    return CheckpointManifest(config=config, layers=layers, annotations=MappingProxyType(annotations))
+
+
+def check_layers(manifest: CheckpointManifest, config: CheckpointConfig) -> None:
+    """Require the manifest's layers to be exactly the config's distinct chunk blobs, in order."""
+    want = layers_for(config.files)
+    if manifest.layers != want:
+        if len(manifest.layers) != len(want):
+            raise _Invalid(f"manifest lists {len(manifest.layers)} layers, the file table uses {len(want)} blobs")
+        for i, (got, exp) in enumerate(zip(manifest.layers, want, strict=True)):
+            if got != exp:
+                raise _Invalid(f"layers[{i}] is {got.to_json()}, the file table says {exp.to_json()}")
+
+
+def check_manifest_matches(
+    manifest: CheckpointManifest, config: CheckpointConfig, *, error: type[Exception], what: str
+) -> None:
+    """``check_layers`` raising ``error`` (DataLoss for stored data, InvalidArgument for imports)."""
+    try:
+        check_layers(manifest, config)
+    except _Invalid as exc:
+        raise error(f"{what}: {exc}") from exc
+
+
+def _validate_config(doc: object) -> CheckpointConfig:
+    if not isinstance(doc, dict):
+        raise _Invalid("top level is not an object")
+    keys = set(doc)
+    if keys != _CONFIG_KEYS:
+        missing, extra = sorted(_CONFIG_KEYS - keys), sorted(keys - _CONFIG_KEYS)
+        raise _Invalid(f"wrong top-level keys (missing {missing}, unexpected {extra})")
     metadata = doc["metadata"]
     if not isinstance(metadata, dict):
         raise _Invalid("metadata is not an object")
@@ -228,12 +527,13 @@ def _validate(doc: object) -> Manifest:
         raise _Invalid("files is not a list")
     if len(files) > MAX_ENTRIES:
         raise _Invalid(f"{len(files)} entries exceeds the limit of {MAX_ENTRIES}")
-    entries = tuple(_validate_entry(i, raw) for i, raw in enumerate(files))
+    blobs: dict[str, tuple[int, int, str]] = {}
+    entries = tuple(_validate_entry(i, raw, blobs) for i, raw in enumerate(files))
     check_tree(entries)
-    return Manifest(created=created, metadata=metadata, files=entries)
+    return CheckpointConfig(metadata=MappingProxyType(metadata), files=entries)
 
 
-def _validate_entry(index: int, raw: object) -> FileEntry:
+def _validate_entry(index: int, raw: object, blobs: dict[str, tuple[int, int, str]]) -> FileEntry:
     if not isinstance(raw, dict):
         raise _Invalid(f"files[{index}] is not an object")
     path = raw.get("path")
@@ -265,6 +565,9 @@ def _validate_entry(index: int, raw: object) -> FileEntry:
         chunk = _validate_chunk(f"{where} chunks[{j}]", rc)
         if chunk.offset != offset:
             raise _Invalid(f"{where} chunks[{j}]: offset {chunk.offset} is not contiguous (expected {offset})")
+        shape = (chunk.size, chunk.stored_size, chunk.encoding)
+        if blobs.setdefault(chunk.digest, shape) != shape:
+            raise _Invalid(f"{where} chunks[{j}]: blob {chunk.digest} is used with different sizes or encodings")
         offset += chunk.size
         chunks.append(chunk)
     if offset != size:
@@ -275,23 +578,25 @@ def _validate_entry(index: int, raw: object) -> FileEntry:
 def _validate_chunk(where: str, raw: object) -> Chunk:
     if not isinstance(raw, dict):
         raise _Invalid(f"{where}: not an object")
-    keys = set(raw)
-    if not _CHUNK_REQUIRED <= keys <= _CHUNK_KEYS:
-        raise _Invalid(f"{where}: wrong keys {sorted(keys)}")
+    if set(raw) != _CHUNK_KEYS:
+        raise _Invalid(f"{where}: a chunk has exactly the keys {sorted(_CHUNK_KEYS)}, not {sorted(raw)}")
     digest = raw["digest"]
     try:
         digest_hex(digest)
     except InvalidArgument as exc:
         raise _Invalid(f"{where}: {exc}") from None
-    size, offset = raw["size"], raw["offset"]
+    size, offset, stored, encoding = raw["size"], raw["offset"], raw["stored_size"], raw["encoding"]
     if not _is_int(size) or not 0 < size <= MAX_CHUNK_SIZE:
         raise _Invalid(f"{where}: size {size!r} is not an integer in [1, {MAX_CHUNK_SIZE}]")
     if not _is_int(offset) or offset < 0:
         raise _Invalid(f"{where}: offset {offset!r} is not a non-negative integer")
-    encoding = raw.get("encoding", IDENTITY)
     if not isinstance(encoding, str) or encoding not in SUPPORTED_ENCODINGS:
         raise _Invalid(f"{where}: unsupported encoding {encoding!r}")
-    return Chunk(digest=digest, size=size, offset=offset, encoding=encoding)
+    if not _is_int(stored) or not 0 < stored <= MAX_STORED_CHUNK_SIZE:
+        raise _Invalid(f"{where}: stored_size {stored!r} is not an integer in [1, {MAX_STORED_CHUNK_SIZE}]")
+    if encoding == IDENTITY and stored != size:
+        raise _Invalid(f"{where}: an identity chunk's stored_size {stored} differs from its size {size}")
+    return Chunk(digest=digest, size=size, offset=offset, encoding=encoding, stored_size=stored)
 
 
 def check_tree(entries: Sequence[FileEntry]) -> None:

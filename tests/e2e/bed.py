@@ -145,6 +145,8 @@ def bring_up(name: str, workdir: Path) -> Bed:
     snippet.write_text(cp.stdout)
     info = json.loads(testbed("up", name, "--handler-snippet", str(snippet)))
     assert info["runc_root"] == runc_root, info
+    with config.open("a") as fh:
+        fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n")
     return Bed(name=name, info=info, store=store, socket=sock, config=str(config), agent_log=str(workdir / "agent.log"))
 
 

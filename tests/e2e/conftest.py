@@ -44,3 +44,27 @@ def agent(bed: Bed) -> Iterator[Bed]:
     yield bed
     if bed.agent is None or bed.agent.poll() is not None:
         bed.start_agent()
+
+
+@pytest.fixture(scope="session")
+def node2(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A second "node": its own containerd, runc root, CNI bridge, images, and an agent with an empty store."""
+    name = BED_NAME + "-2"
+    b = bring_up(name, tmp_path_factory.mktemp("node2"))
+    assert b.info["subnet"] != bed.info["subnet"] and b.info["cni_bridge"] != bed.info["cni_bridge"]
+    b.start_agent()
+    try:
+        yield b
+    finally:
+        b.stop_agent()
+        if os.environ.get("NODE_AGENT_E2E_KEEP") != "1":
+            testbed("down", name)
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real OCI registry (Debian's docker-registry) on loopback, with basic auth."""
+    from tests.registry_server import Registry
+
+    with Registry(tmp_path_factory.mktemp("registry"), users={"ops": "s3cret"}) as reg:
+        yield reg

@@ -1,0 +1,1 @@
+"""Benchmarks of node-agent against bare runc and CRIU (`bench/run.py`)."""

@@ -1,0 +1,476 @@
+"""Medians, targets, the text tables and docs/benchmarks.md from raw samples."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+SCHEMA = 1
+RSS_LIMIT_MIB = 200
+
+
+def _median(xs: list[Any]) -> float | None:
+    vals = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return float(statistics.median(vals)) if vals else None
+
+
+def _cmd_first_line(argv: list[str]) -> str:
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "not found"
+    if cp.returncode != 0:
+        return "unknown"
+    text = (cp.stdout or cp.stderr).strip()
+    return text.splitlines()[0] if text else "unknown"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def machine_info(repo: Path) -> dict[str, Any]:
+    cpuinfo = _read("/proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    mem = re.search(r"^MemTotal:\s*(\d+)", _read("/proc/meminfo"), re.M)
+    osrel = re.search(r'^PRETTY_NAME="?([^"\n]+)', _read("/etc/os-release"), re.M)
+    criu_line = _cmd_first_line(["criu", "--version"])
+    ctrd = _cmd_first_line(["containerd", "--version"]).split(" ")
+    zstd = _cmd_first_line(["zstd", "--version"])
+    commit = _cmd_first_line(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"])
+    try:
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=20).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        dirty = False
+    return {
+        "cores": os.cpu_count(),
+        "cpu": model.group(1).strip() if model else platform.machine(),
+        "memory_gib": round(int(mem.group(1)) / 1048576, 1) if mem else None,
+        "kernel": platform.release(),
+        "os": (osrel.group(1) if osrel else "unknown") + (f" ({_read('/etc/debian_version').strip()})"
+                                                          if os.path.exists("/etc/debian_version") else ""),
+        "cgroup": "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1",
+        "containerd": (ctrd[2] if len(ctrd) > 2 else "unknown"),
+        "runc": _cmd_first_line(["runc", "--version"]).removeprefix("runc version "),
+        "criu": criu_line.removeprefix("Version: "),
+        "criu_path": shutil.which("criu") or "",
+        "zstd": (re.findall(r"v\d+\.\d+\.\d+", zstd) or [zstd])[0],
+        "python": platform.python_version(),
+        "node_agent_commit": commit + (" with local changes" if dirty and commit != "unknown" else ""),
+    }
+
+
+# ---- summary ------------------------------------------------------------------
+
+
+def _total(xs: Any) -> float | None:
+    """The sum of a per-container list, None if any is missing."""
+    if not isinstance(xs, list) or not xs or any(not isinstance(x, (int, float)) for x in xs):
+        return None
+    return float(sum(xs))
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"single": {}, "restore": {}}
+    for mib, samples in results.get("single", {}).items():
+        later = [s["agent"]["store_added_bytes"] for s in samples[1:]]
+        out["single"][mib] = {
+            "runs": len(samples),
+            "size_bytes": _median([s["agent"]["size"] for s in samples]),
+            "agent_wall_s": _median([s["agent"]["wall_s"] for s in samples]),
+            "agent_frozen_reported_ms": _median([s["agent"]["frozen_reported_ms"] for s in samples]),
+            "agent_frozen_outside_ms": _median([s["agent"]["frozen_outside_ms"] for s in samples]),
+            "bare_wall_s": _median([s["bare"]["wall_s"] for s in samples]),
+            "bare_frozen_ms": _median([s["bare"]["frozen_outside_ms"] for s in samples]),
+            "tar_zstd_wall_s": _median([s["bare_tar_zstd"]["wall_s"] for s in samples]),
+            "tar_zstd_dump_s": _median([s["bare_tar_zstd"]["dump_s"] for s in samples]),
+            "tar_zstd_frozen_ms": _median([s["bare_tar_zstd"]["frozen_outside_ms"] for s in samples]),
+            "first_added_bytes": samples[0]["agent"]["store_added_bytes"] if samples else None,
+            "ticking_repeat_added_bytes": _median(later),
+        }
+    for mib, samples in results.get("restore", {}).items():
+        out["restore"][mib] = {
+            "runs": len(samples),
+            "agent_wall_s": _median([s["agent"]["wall_s"] for s in samples]),
+            "agent_start_ms": _median([s["agent"]["start_ms"] for s in samples]),
+            "bare_wall_s": _median([s["bare"]["wall_s"] for s in samples]),
+            "bare_start_ms": _median([s["bare"]["start_ms"] for s in samples]),
+            "agent_criu_restore_ms": _median([_total(s["agent"].get("criu_restore_ms")) for s in samples]),
+            "bare_criu_restore_ms": _median([_total(s["bare"].get("criu_restore_ms")) for s in samples]),
+            "bare_sandbox_s": _median([s["bare"]["sandbox_s"] for s in samples]),
+            "bare_create_s": _median([s["bare"]["create_s"] for s in samples]),
+        }
+    pair = results.get("pair")
+    if pair:
+        ss = pair["samples"]
+        names = sorted(ss[0]["bare"]["containers"]) if ss else []
+        out["pair"] = {
+            "mib": pair["mib"],
+            "runs": len(ss),
+            "agent_wall_s": _median([s["agent"]["wall_s"] for s in ss]),
+            "agent_frozen_reported_ms": _median([s["agent"]["frozen_reported_ms"] for s in ss]),
+            "agent_frozen_outside_ms": _median([s["agent"]["frozen_outside_ms"] for s in ss]),
+            "bare_sum_wall_s": _median([s["bare"]["sum_wall_s"] for s in ss]),
+            "bare_sum_frozen_ms": _median([s["bare"]["sum_frozen_ms"] for s in ss]),
+            "bare": {
+                n: {
+                    "wall_s": _median([s["bare"]["containers"][n]["wall_s"] for s in ss]),
+                    "frozen_ms": _median([s["bare"]["containers"][n]["frozen_outside_ms"] for s in ss]),
+                }
+                for n in names
+            },
+        }
+    rep = results.get("repeat")
+    if rep:
+        added = _median([s["added_bytes"] for s in rep["samples"]])
+        size = _median([s["size"] for s in rep["samples"]])
+        out["repeat"] = {
+            "mib": rep["mib"],
+            "runs": len(rep["samples"]),
+            "size_bytes": size,
+            "first_added_bytes": rep["first"]["added_bytes"],
+            "added_bytes": added,
+            "added_fraction": (added / size) if added is not None and size else None,
+        }
+    rss = results.get("rss")
+    if rss:
+        out["rss"] = {
+            "mib": rss["mib"],
+            "peak_mib": round(rss["vm_hwm_kib"] / 1024, 1),
+            "restarted": rss["restarted"],
+        }
+    return out
+
+
+def _target(key: str, title: str, measured: str, ratio: float | None, limit: float, strict: bool = False,
+            unit: str = "x") -> dict[str, Any]:
+    ok: bool | None = None
+    margin: float | None = None
+    if ratio is not None and math.isfinite(ratio):
+        ok = ratio < limit if strict else ratio <= limit
+        margin = round((ratio / limit - 1) * 100, 1)
+    return {"key": key, "title": title, "measured": measured, "ratio": ratio, "limit": limit,
+            "op": "<" if strict else "<=", "unit": unit, "pass": ok, "margin_pct": margin}
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1048576:.1f} MiB"
+
+
+def targets(summary: dict[str, Any], target_mib: int) -> list[dict[str, Any]]:
+    t: list[dict[str, Any]] = []
+    one = summary["single"].get(str(target_mib), {})
+    res = summary["restore"].get(str(target_mib), {})
+    r = _div(one.get("agent_frozen_outside_ms"), one.get("bare_frozen_ms"))
+    t.append(_target(
+        "frozen_one", f"frozen window, 1 x {target_mib} MiB / bare runc checkpoint",
+        f"{_ms(one.get('agent_frozen_outside_ms'))} (agent says {_ms(one.get('agent_frozen_reported_ms'))}) "
+        f"vs {_ms(one.get('bare_frozen_ms'))}", r, 1.1))
+    pair = summary.get("pair", {})
+    r = _div(pair.get("agent_frozen_outside_ms"), pair.get("bare_sum_frozen_ms"))
+    t.append(_target(
+        "frozen_pair", f"pod-wide frozen window, 2 x {pair.get('mib', '?')} MiB / sum of 2 bare dumps",
+        f"{_ms(pair.get('agent_frozen_outside_ms'))} (agent says {_ms(pair.get('agent_frozen_reported_ms'))}) "
+        f"vs {_ms(pair.get('bare_sum_frozen_ms'))}", r, 0.75))
+    r = _div(one.get("agent_wall_s"), one.get("tar_zstd_wall_s"))
+    t.append(_target(
+        "durable", f"until durable, {target_mib} MiB / runc checkpoint + tar|zstd + fsync",
+        f"{_s(one.get('agent_wall_s'))} vs {_s(one.get('tar_zstd_wall_s'))}", r, 1.0, strict=True))
+    r = _div(res.get("agent_wall_s"), res.get("bare_wall_s"))
+    t.append(_target(
+        "restore", f"restore until running, {target_mib} MiB / same plan from local disk",
+        f"{_s(res.get('agent_wall_s'))} vs {_s(res.get('bare_wall_s'))}", r, 1.3))
+    rep = summary.get("repeat", {})
+    frac = rep.get("added_fraction")
+    t.append(_target(
+        "repeat_store", f"store growth, repeated checkpoint of unchanged {rep.get('mib', '?')} MiB",
+        f"{_mib(rep.get('added_bytes'))} of {_mib(rep.get('size_bytes'))}"
+        + (f" ({frac * 100:.2f}%)" if frac is not None else ""), frac, 0.05, unit="fraction"))
+    rss = summary.get("rss", {})
+    peak = rss.get("peak_mib")
+    t.append(_target(
+        "rss", f"agent peak RSS, {rss.get('mib', '?')} MiB checkpoint"
+               + ("" if rss.get("restarted", True) else " (since agent start)"),
+        "-" if peak is None else f"{peak:.0f} MiB", _div(peak, RSS_LIMIT_MIB), 1.0, unit="of 200 MiB"))
+    return t
+
+
+def build(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    sizes = list(args.sizes)
+    target_mib = 1024 if 1024 in sizes else max(sizes)
+    summary = summarize(results)
+    return {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine,
+        "config": {
+            "sizes_mib": sizes, "runs": args.runs, "pair_mib": args.pair, "repeat_mib": args.repeat_mib,
+            "quick": bool(args.quick), "settle_s": args.settle, "bed": args.bed, "attached": bool(args.attach),
+            "target_mib": target_mib, "tick_ms": 5, "note": args.note, "warmup": args.warmup,
+        },
+        "samples": results,
+        "summary": summary,
+        "targets": targets(summary, target_mib),
+    }
+
+
+# ---- rendering ------------------------------------------------------------------
+
+
+def verdict(t: dict[str, Any]) -> str:
+    if t["pass"] is None:
+        return "n/a"
+    m = t["margin_pct"]
+    if t["pass"]:
+        return f"PASS ({-m:.0f}% under the limit)" if m < 0 else "PASS (at the limit)"
+    return f"MISS (by {m:.0f}%)" if m > 0 else "MISS (at the limit)"
+
+
+def _ratio(t: dict[str, Any]) -> str:
+    r = t["ratio"]
+    if r is None:
+        return "-"
+    if t["unit"] == "fraction":
+        return f"{r * 100:.2f}%"
+    if t["unit"] == "of 200 MiB":
+        return f"{r:.2f} x 200 MiB"
+    return f"{r:.2f}x"
+
+
+def _limit(t: dict[str, Any]) -> str:
+    if t["unit"] == "fraction":
+        return f"{t['op']} {t['limit'] * 100:.0f}%"
+    if t["unit"] == "of 200 MiB":
+        return f"{t['op']} 200 MiB"
+    return f"{t['op']} {t['limit']:.2f}x"
+
+
+def _tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    s = doc["summary"]
+    runs = doc["config"]["runs"]
+    out: list[tuple[str, list[str], list[list[str]]]] = []
+    out.append((
+        "Targets",
+        ["target", "measured (median)", "ratio", "limit", "result"],
+        [[t["title"], t["measured"], _ratio(t), _limit(t), verdict(t)] for t in doc["targets"]],
+    ))
+    rows = []
+    for mib in sorted(s["single"], key=int):
+        x = s["single"][mib]
+        rows.append([
+            f"{mib} MiB", _s(x["agent_wall_s"]), _ms(x["agent_frozen_reported_ms"]), _ms(x["agent_frozen_outside_ms"]),
+            _s(x["bare_wall_s"]), _ms(x["bare_frozen_ms"]), _s(x["tar_zstd_wall_s"]), _ms(x["tar_zstd_frozen_ms"]),
+            _mib(x["first_added_bytes"]), _mib(x["ticking_repeat_added_bytes"]),
+        ])
+    out.append((
+        f"Checkpoint, one container (medians of {runs})",
+        ["workload", "agent", "agent: frozen (reported)", "agent: frozen (log)", "runc", "runc: frozen",
+         "runc+tar|zstd", "runc+tar|zstd: frozen", "store: first", "store: next (ticking)"],
+        rows,
+    ))
+    if "pair" in s:
+        p = s["pair"]
+        per = ", ".join(f"{n}: {_s(v['wall_s'])} / {_ms(v['frozen_ms'])}" for n, v in p["bare"].items())
+        out.append((
+            f"Checkpoint, two containers of {p['mib']} MiB (medians of {p['runs']})",
+            ["agent", "agent: frozen (reported)", "agent: frozen (log)", "runc, sum", "runc: frozen, sum",
+             "runc per container (time / frozen)"],
+            [[_s(p["agent_wall_s"]), _ms(p["agent_frozen_reported_ms"]), _ms(p["agent_frozen_outside_ms"]),
+              _s(p["bare_sum_wall_s"]), _ms(p["bare_sum_frozen_ms"]), per]],
+        ))
+    rows = []
+    for mib in sorted(s["restore"], key=int):
+        x = s["restore"][mib]
+        rows.append([
+            f"{mib} MiB", _s(x["agent_wall_s"]), _ms(x["agent_start_ms"]), _ms(x.get("agent_criu_restore_ms")),
+            _s(x["bare_wall_s"]), _ms(x["bare_start_ms"]), _ms(x.get("bare_criu_restore_ms")),
+            _s(x["bare_sandbox_s"]), _s(x["bare_create_s"]),
+        ])
+    out.append((
+        f"Restore until running (medians of {runs})",
+        ["workload", "agent", "agent: StartContainer", "agent: CRIU", "local plan", "local: StartContainer",
+         "local: CRIU", "local: sandbox", "local: create"],
+        rows,
+    ))
+    rows = []
+    if "repeat" in s:
+        r = s["repeat"]
+        rows.append([f"repeated checkpoint, unchanged {r['mib']} MiB", f"first {_mib(r['first_added_bytes'])}, "
+                     f"then {_mib(r['added_bytes'])} each (median of {r['runs']})"])
+    if "rss" in s:
+        r = s["rss"]
+        rows.append([f"agent peak RSS, {r['mib']} MiB checkpoint",
+                     f"{r['peak_mib']:.0f} MiB" + ("" if r["restarted"] else " (since the agent's start)")])
+    out.append(("Store and memory", ["what", "value"], rows))
+    return out
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [len(h) for h in header]
+    for r in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, r)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
+
+
+def text_tables(doc: dict[str, Any]) -> str:
+    parts = []
+    for title, header, rows in _tables(doc):
+        parts.append(f"\n{title}\n{_text_table(header, rows)}")
+    m = doc["machine"]
+    parts.append(f"\n{doc['date']}  {m['cores']} cores, kernel {m['kernel']}, containerd {m['containerd']}, "
+                 f"runc {m['runc']}, CRIU {m['criu']}\n")
+    return "".join(parts)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    esc: Callable[[str], str] = lambda c: c.replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """\
+## How each number is measured
+
+Every workload is a pod on a private containerd node (`scripts/testbed`) with
+the agent's restore handler, running `memhog`
+(`scripts/testbed_images/memhog.c`): it holds N MiB of pseudo-random memory,
+flips one word per tick, and prints `tick N` to stdout every 5 ms.
+containerd stamps every line it reads from the container's pipe (RFC 3339,
+nanoseconds) in the CRI log file. On one workload the runs are interleaved
+(agent, bare runc, runc + tar | zstd, agent, ...), with `sync` and a short
+pause between operations, after one untimed round of the same operations
+(`--warmup`: the first dump of a fresh process, and the first use of a
+GiB of fresh memory, is slower whoever does it); every number is the median
+of the timed runs. The raw samples, warm-up rounds included, are in the JSON.
+
+- **Frozen window (log).** The largest gap between consecutive tick stamps in
+  the container's CRI log, from the last tick before the operation started to
+  the first tick after it ended. For the pod of two containers it is the
+  largest gap in either container's log during the agent's one checkpoint
+  (both are frozen together); the bare figure is the sum of the two
+  containers' gaps, each during its own `runc checkpoint`. A gap includes up to
+  one tick interval (5 ms) on both sides of the comparison.
+- **Frozen window (agent).** `frozen_ms` from `node-agent checkpoint -o json`:
+  from the freeze of the first container to the thaw of the last.
+- **Checkpoint (agent).** Wall time of `node-agent checkpoint POD -o json`, the
+  CLI process included. It returns after the checkpoint's manifest is
+  published, so this is also the time until the checkpoint is durable in the
+  store.
+- **runc.** Wall time of `runc --root <runc root> checkpoint --leave-running
+  --image-path D --work-path W <container>` into a local directory on the same
+  file system as the store (not fsynced), one container at a time.
+- **runc + tar | zstd.** The same dump, then `tar -C D -cf - . | zstd -1 -T0 -o F`,
+  then fsync of F and of its directory: the time until the compressed file is
+  durable.
+- **Store: first / next (ticking).** Bytes added to the checkpoint store (every
+  file under the store directory except `work/`, `plans/`, `logs/`, `journal/`,
+  `bin/` and `ingest/`: blobs and manifests) by the first agent checkpoint of a
+  workload, and (median)
+  by each later one while the previous one is still stored. The ticking
+  workload changes one word every 5 ms, spread over its whole memory.
+- **Repeated checkpoint, unchanged.** The same, on a separate pod whose
+  memhog does not tick during the measurement (its memory does not change):
+  a first checkpoint, then repeats, each measured with the previous one
+  stored. The limit is 5% of the checkpoint's size.
+- **Restore (agent).** Wall time of `node-agent restore ID --namespace bench-r
+  --start -o json`: verification of every blob, the sandbox, `/dev/shm`, the
+  container, the restore plan read from the store, and StartContainer, which
+  runs `runc restore` through the handler's wrapper. StartContainer alone is
+  taken from containerd's log ("StartContainer for" to "returns
+  successfully").
+- **CRIU.** The run time CRIU logged for the restore (the last time stamp
+  of its `restore.log`): the part of StartContainer that restores memory and
+  processes.
+- **Restore (local plan), the baseline.** The restore plan the agent writes
+  for the same checkpoint (CRIU images, writable-layer diff, `plan.json`) is
+  copied once to a local directory beforehand. For each run a hard-linked copy
+  of it is made (no data written), then, timed, through plain CRI calls from
+  the benchmark process: RunPodSandbox with the same runtime handler,
+  CreateContainer with the same container config, a rename of the plan into
+  `<store>/plans/<container id>/`, and StartContainer. That is `runc restore`
+  from a local directory as containerd runs it, with no store read, no
+  verification and no CLI process. Each restored pod is checked to run and
+  tick, then removed, before the next run.
+- **Page cache.** Before each restore, untimed, the data it starts from is
+  read once (the checkpoint store for the agent, the local plan for the
+  baseline), so both start with it in memory: the comparison is of the work
+  each path does, not of the disk. A copy of the images written just before
+  the baseline would have slowed its CRIU memory restore two- to threefold on
+  a virtual machine, so it is hard-linked instead.
+- **Agent peak RSS.** The agent is restarted before the first checkpoint of the
+  largest one-container workload; `VmHWM` of its process
+  (`/proc/<pid>/status`) right after that checkpoint. runc and CRIU run in
+  their own processes and are not counted.
+"""
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    c = doc["config"]
+    parts = [
+        "# Benchmarks\n\n",
+        "Checkpoint and restore with node-agent against bare runc and CRIU on the same\n"
+        "node and the same workloads. Produced by `bench/run.py --write-docs`; run it\n"
+        "again rather than editing this file.\n\n",
+        "    .venv/bin/python bench/run.py [--sizes 64,256,1024] [--runs 5] [--pair 512] \\\n"
+        "        [--repeat-mib 256] [--warmup 1] [--out bench/results.json] [--write-docs] \\\n"
+        "        [--note TEXT] [--quick] [--keep]\n\n",
+        "As root, on a machine prepared with `scripts/setup`. It brings up its own test\n"
+        "bed (`--bed`, or `NODE_AGENT_BENCH_BED`, default `na-bench`), prints the\n"
+        "tables below, writes every raw sample to `--out`, and removes everything it\n"
+        "created. `--quick` is a smoke run of about ten seconds (16 MiB, one run each).\n"
+        "Targets are judged at 1 GiB (or the largest `--sizes`) unless stated.\n\n",
+        f"## Latest results ({doc['date'][:10]})\n\n",
+    ]
+    if c.get("quick") or c["runs"] < 5:
+        parts.append(f"**{'A quick smoke run' if c.get('quick') else 'Fewer than 5 runs'}: "
+                     "not a measurement to rely on.**\n\n")
+    if c.get("note"):
+        parts.append(f"{c['note']}\n\n")
+    parts.append(_md_table(["machine", ""], [
+        ["date", doc["date"]],
+        ["CPU", f"{m['cores']} cores, {m['cpu']}"],
+        ["memory", f"{m['memory_gib']} GiB"],
+        ["OS, kernel", f"{m['os']}, Linux {m['kernel']}, cgroup {m['cgroup']}"],
+        ["containerd, runc, CRIU", f"{m['containerd']}, {m['runc']}, {m['criu']}"],
+        ["zstd, Python", f"{m['zstd']}; Python {m['python']}"],
+        ["node-agent", m["node_agent_commit"]],
+        ["runs", f"{c['runs']} interleaved per workload after {c.get('warmup', 0)} untimed; sizes {', '.join(str(x) for x in c['sizes_mib'])} MiB; "
+                 f"pair {c['pair_mib']} MiB x 2; repeat {c['repeat_mib']} MiB"],
+    ]))
+    for title, header, rows in _tables(doc):
+        parts.append(f"\n### {title}\n\n")
+        parts.append(_md_table(header, rows))
+    parts.append("\n" + METHOD)
+    return "".join(parts)

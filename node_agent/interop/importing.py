@@ -1,0 +1,678 @@
+"""A container checkpoint archive, read as hostile input, stored as a pod checkpoint.
+
+One pass over the archive (plain, gzip or zstd, told apart by their magic
+bytes) with `tarfmt.TarReader`. Every member name is checked (UTF-8, no NUL,
+not absolute, no "..", bounded) and every kind: symlinks, device nodes and
+FIFOs are refused, a hardlink is accepted only to a regular file earlier in
+the same archive (it becomes a copy), duplicates and files used as
+directories are refused, and the member count, each size and the total are
+bounded (`ImportLimits`). Member content is written to flat, numbered files
+(`m<n>`) in a private staging directory under the store's work area,
+created with O_EXCL|O_NOFOLLOW relative to that directory's descriptor:
+archive names never become filesystem paths. Then the staged files go into a
+store writer under the store paths that `checkpointing.py` uses, and the
+staging directory is removed.
+
+Two kinds of archive:
+
+- node-agent's own (`node-agent/manifest.json` present): the mapping of
+  `exporting.py` is undone file for file, so every file comes back
+  byte-identical, and the metadata is the export's, checked;
+- another engine's (Podman, CRI-O, containerd): the CRI configs are built by
+  `foreign.synthesize`, the CPU description is this node's, and the root
+  directory's mode is dropped from CRIU's files.img (`criuimg`).
+
+Nested archives (`rootfs-diff.tar`, `devshm-checkpoint.tar`) stay archives:
+they are scanned here so a bad one is refused early, and are applied only at
+restore, by `criu_bridge.rootfs.apply_diff`, with its own checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gzip
+import io
+import json
+import os
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import uuid
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import zstandard
+
+from node_agent import errors
+from node_agent.checkpointing import METADATA_KIND, manifest_annotations, parse_options
+from node_agent.interop import common as c
+from node_agent.interop import criuimg, foreign, tarfmt
+from node_agent.store import CheckpointRecord, Store
+
+# Top-level members of other engines' archives that node-agent does not keep.
+IGNORED_TOP = frozenset({
+    "ctr.log", "container.log", "artifacts", c.NETWORK_STATUS, c.STATUS_DUMP, "bind.mounts",
+    "pod.options", "pod.dump", "restore.log", "annotations.json",
+})
+# Top-level members of a foreign archive that are kept as they are.
+FOREIGN_KEEP = frozenset({c.SPEC_DUMP, c.ROOTFS_DIFF, c.DELETED_FILES, c.OPAQUE_DIRS, c.DUMP_LOG})
+INTEROP_DIR = "interop"
+_COPY = 1 << 20
+_SMALL = 1 << 20
+_ZSTD_MAX_WINDOW = 1 << 27
+_XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
+@dataclass
+class _Staged:
+    kind: str  # tarfmt.FILE or tarfmt.DIR
+    mode: int
+    size: int
+    name: str | None  # staging file; None for directories and content not kept
+
+
+class _Staging:
+    """A private directory of flat, numbered files."""
+
+    def __init__(self, parent: str) -> None:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        self.root = os.path.join(parent, f"import-{secrets.token_hex(8)}")
+        os.mkdir(self.root, 0o700)
+        self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._n = 0
+
+    def create(self) -> tuple[str, int]:
+        self._n += 1
+        name = f"m{self._n}"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+        return name, fd
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def read(self, name: str, limit: int, what: str) -> bytes:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise errors.ResourceExhausted(f"{what}: {size} bytes is more than the limit of {limit}")
+            data = os.read(fd, size + 1)
+            while len(data) < size:
+                more = os.read(fd, size - len(data))
+                if not more:
+                    break
+                data += more
+            return data
+        finally:
+            os.close(fd)
+
+    def write(self, data: bytes) -> str:
+        name, fd = self.create()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        return name
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _Stream:
+    """A decompressing reader whose format errors are InvalidArgument."""
+
+    def __init__(self, inner: Any, raw: Any, what: str) -> None:
+        self._inner = inner
+        self._raw = raw
+        self._what = what
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data: bytes = self._inner.read(n)
+            return data
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+            if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, gzip.BadGzipFile):
+                raise
+            raise errors.InvalidArgument(f"the archive's {self._what} stream is corrupt: {exc}") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._inner.close()
+        self._raw.close()
+
+
+def _open_archive(path: str) -> tuple[_Stream, str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise errors.NotFound(f"archive {path} not found") from exc
+        raise errors.InvalidArgument(f"cannot open archive {path}: {exc.strerror}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise errors.InvalidArgument(f"archive {path} is not a regular file")
+        os.set_blocking(fd, True)
+        raw = io.BufferedReader(io.FileIO(fd, "rb"), 1 << 20)
+    except BaseException:
+        os.close(fd)
+        raise
+    head = raw.peek(8)[:8]
+    if head.startswith(b"\x1f\x8b"):
+        return _Stream(gzip.GzipFile(fileobj=raw, mode="rb"), raw, "gzip"), "gzip"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+        return _Stream(dctx.stream_reader(raw, read_across_frames=True), raw, "zstd"), "zstd"
+    if head.startswith(b"BZh") or head.startswith(_XZ_MAGIC):
+        raw.close()
+        raise errors.InvalidArgument(f"archive {path}: bzip2 and xz are not supported (use a plain, gzip or zstd tar)")
+    return _Stream(raw, raw, "tar"), "none"
+
+
+def _normalize(raw: bytes, limits: c.ImportLimits, what: str = "tar member") -> str | None:
+    """A member name as a relative store-style path; None for the archive root itself."""
+    shown = repr(raw[:200].decode("utf-8", "backslashreplace"))
+    if b"\0" in raw:
+        raise errors.InvalidArgument(f"{what} {shown}: NUL byte in the name")
+    if len(raw) > limits.max_path_bytes:
+        raise errors.ResourceExhausted(f"{what} {shown}: name longer than {limits.max_path_bytes} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise errors.InvalidArgument(f"{what} {shown}: the name is not UTF-8") from None
+    if text.startswith("/"):
+        raise errors.InvalidArgument(f"{what} {shown}: absolute names are not allowed")
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    for part in parts:
+        if part == "..":
+            raise errors.InvalidArgument(f"{what} {shown}: '..' in the name")
+        if len(part.encode("utf-8")) > 255:
+            raise errors.InvalidArgument(f"{what} {shown}: a name component is longer than 255 bytes")
+        if any(ord(ch) < 32 for ch in part):
+            raise errors.InvalidArgument(f"{what} {shown}: control characters in the name")
+    return "/".join(parts) or None
+
+
+def _keep_member(path: str) -> bool:
+    return path.split("/", 1)[0] not in IGNORED_TOP
+
+
+def _read_members(stream: _Stream, staging: _Staging, limits: c.ImportLimits) -> dict[str, _Staged]:
+    reader = tarfmt.TarReader(stream, max_member_bytes=limits.max_member_bytes)
+    entries: dict[str, _Staged] = {}
+    parents: set[str] = set()  # every directory some member lies in
+    count = total = 0
+    while True:
+        m = reader.next()
+        if m is None:
+            break
+        count += 1
+        if count > limits.max_members:
+            raise errors.ResourceExhausted(f"the archive has more than {limits.max_members} members")
+        path = _normalize(m.name, limits)
+        if path is None:
+            if m.kind == tarfmt.DIR:
+                continue
+            raise errors.InvalidArgument("tar member with an empty name")
+        shown = repr(path[:200])
+        if path in entries:
+            raise errors.InvalidArgument(f"tar member {shown} appears twice")
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            above = entries.get("/".join(parts[:i]))
+            if above is not None and above.kind != tarfmt.DIR:
+                raise errors.InvalidArgument(f"tar member {shown} lies under a member that is not a directory")
+        if m.kind != tarfmt.DIR and path in parents:
+            raise errors.InvalidArgument(f"tar member {shown} is a {m.kind}, but earlier members lie inside it")
+        if m.kind in (tarfmt.CHARDEV, tarfmt.BLOCKDEV, tarfmt.FIFO):
+            raise errors.InvalidArgument(f"tar member {shown} is a {m.kind}; device nodes and FIFOs are not allowed")
+        if m.kind == tarfmt.SYMLINK:
+            target = m.linkname[:200].decode("utf-8", "backslashreplace")
+            raise errors.InvalidArgument(f"tar member {shown} is a symlink (to {target!r}); symlinks are not allowed")
+        for i in range(1, len(parts)):
+            parents.add("/".join(parts[:i]))
+        if m.kind == tarfmt.HARDLINK:
+            target_path = _normalize(m.linkname, limits, f"hardlink target of {shown}")
+            src = entries.get(target_path or "")
+            if src is None or src.kind != tarfmt.FILE:
+                raise errors.InvalidArgument(
+                    f"tar member {shown} is a hardlink to something other than a regular file earlier in the archive"
+                )
+            if src.name is None and _keep_member(path):
+                raise errors.InvalidArgument(f"tar member {shown} is a hardlink to a member that is not kept")
+            entries[path] = _Staged(tarfmt.FILE, m.mode, src.size, src.name)
+            continue
+        if m.kind == tarfmt.DIR:
+            entries[path] = _Staged(tarfmt.DIR, m.mode, 0, None)
+            continue
+        total += m.size
+        if total > limits.max_total_bytes:
+            raise errors.ResourceExhausted(f"the archive holds more than {limits.max_total_bytes} bytes of files")
+        if not _keep_member(path):
+            entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, None)
+            continue
+        name, fd = staging.create()
+        try:
+            left = m.size
+            while left:
+                data = reader.read(min(_COPY, left))
+                if not data:
+                    raise errors.InvalidArgument(f"tar member {shown} is truncated")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                left -= len(data)
+        finally:
+            os.close(fd)
+        entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, name)
+    return entries
+
+
+def _check_nested_tar(staging: _Staging, name: str, what: str, limits: c.ImportLimits) -> None:
+    """Scan an archive inside the archive: well-formed, bounded, no devices, no escaping names."""
+    with open(staging.path(name), "rb") as fh:
+        if not fh.read(1):
+            return
+        fh.seek(0)
+        reader = tarfmt.TarReader(fh, max_member_bytes=limits.max_member_bytes)
+        count = 0
+        while True:
+            m = reader.next()
+            if m is None:
+                return
+            count += 1
+            if count > limits.max_members:
+                raise errors.ResourceExhausted(f"{what} has more than {limits.max_members} members")
+            _normalize(m.name, limits, f"{what} member")
+            if m.kind in (tarfmt.CHARDEV, tarfmt.BLOCKDEV):
+                raise errors.InvalidArgument(f"{what} holds a {m.kind}, which a restore refuses")
+            if m.kind == tarfmt.HARDLINK:
+                _normalize(m.linkname, limits, f"{what} hardlink target")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, indent=1).encode("utf-8")
+
+
+def _read_json(staging: _Staging, entries: Mapping[str, _Staged], path: str, limits: c.ImportLimits) -> Any:
+    entry = entries.get(path)
+    if entry is None or entry.kind != tarfmt.FILE or entry.name is None:
+        raise errors.InvalidArgument(f"the archive has no {path}")
+    return c.parse_json(staging.read(entry.name, limits.max_json_bytes, path), path, limits.max_json_bytes)
+
+
+def _check_host_access(cfg: Mapping[str, Any], pod_cfg: Mapping[str, Any], container: str) -> None:
+    """Refuse configs from an archive that reach into the host: mounts, devices, host ports."""
+    found = []
+    for key in ("mounts", "devices"):
+        items = cfg.get(key)
+        if isinstance(items, list) and items:
+            paths = [str(i.get("host_path", "?")) if isinstance(i, Mapping) else "?" for i in items]
+            found.append(f"container {container} {key} {', '.join(paths[:5])}")
+    ports = pod_cfg.get("port_mappings")
+    if isinstance(ports, list) and any(isinstance(p, Mapping) and p.get("host_port") for p in ports):
+        found.append("host ports in the pod's port_mappings")
+    if found:
+        raise errors.FailedPrecondition(
+            f"the archive's configs reach into the host ({'; '.join(found)}); import it only with allow_host_access"
+        )
+
+
+def _check_pod_paths(pod_cfg: Mapping[str, Any], log_root: str | None) -> None:
+    """The pod's log directory and cgroup parent: absolute, no '..'; the log directory under `log_root`."""
+    linux = pod_cfg.get("linux")
+    parent = linux.get("cgroup_parent") if isinstance(linux, Mapping) else None
+    if parent not in (None, ""):
+        text = c.bounded_str(parent, "pod cgroup_parent")
+        if ".." in text.split("/"):
+            raise errors.InvalidArgument(f"pod cgroup_parent {text!r} has a '..' component")
+    value = pod_cfg.get("log_directory")
+    if value in (None, ""):
+        return
+    path = c.bounded_str(value, "pod log_directory")
+    parts = path.split("/")
+    if not path.startswith("/") or ".." in parts:
+        raise errors.InvalidArgument(f"pod log_directory {path!r} is not an absolute path without '..'")
+    if log_root is not None:
+        root = os.path.normpath(log_root)
+        if os.path.dirname(os.path.normpath(path)) != root:
+            raise errors.FailedPrecondition(f"pod log_directory {path!r} is not under {root}")
+
+
+@dataclass(frozen=True)
+class _Out:
+    path: str
+    mode: int
+    staged: str | None = None
+    data: bytes | None = None
+    is_dir: bool = False
+
+
+def _own_plan(
+    staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, *,
+    namespace: str | None, name: str | None, log_root: str | None, allow_host_access: bool,
+) -> tuple[list[_Out], dict[str, Any]]:
+    """Undo exporting.archive_path; metadata from node-agent/manifest.json."""
+    doc = _read_json(staging, entries, c.OWN_MANIFEST, limits)
+    if not isinstance(doc, Mapping) or doc.get("kind") != c.EXPORT_KIND or doc.get("version") != 1:
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST} is not a node-agent export manifest of version 1")
+    container = c.check_container_name(doc.get("container"), f"{c.OWN_MANIFEST} container")
+    meta = doc.get("metadata")
+    if not isinstance(meta, Mapping) or meta.get("kind") != METADATA_KIND:
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST} carries no pod checkpoint metadata")
+    pod = meta.get("pod")
+    if not isinstance(pod, Mapping):
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST}: metadata has no pod")
+    ns = c.check_name(namespace if namespace else pod.get("namespace"), "pod namespace")
+    pod_name = c.check_name(name if name else pod.get("name"), "pod name")
+    listed = meta.get("containers")
+    if not isinstance(listed, list) or len(listed) != 1 or not isinstance(listed[0], Mapping):
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST}: metadata must list exactly the exported container")
+    entry = dict(listed[0])
+    if entry.get("name") != container:
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST}: metadata lists {entry.get('name')!r}, not {container!r}")
+    for key in ("image", "image_ref", "id"):
+        c.bounded_str(entry.get(key, ""), f"container {key}", allow_empty=True)
+    options = meta.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise errors.InvalidArgument(f"{c.OWN_MANIFEST}: malformed options")
+    flags = parse_options({str(k): str(v) for k, v in options.items()})
+    source = doc.get("checkpoint")
+    out_meta = dict(meta)
+    out_meta["pod"] = {**pod, "namespace": ns, "name": pod_name}
+    out_meta["containers"] = [entry]
+    out_meta["options"] = flags.as_options()
+    out_meta["imported"] = {
+        "format": "node-agent",
+        "checkpoint": source if isinstance(source, str) and c.CHECKPOINT_ID_RE.fullmatch(source) else "",
+        "at": _now(),
+    }
+
+    base = f"containers/{container}"
+    plan: list[_Out] = []
+    for path, st in entries.items():
+        if path == c.OWN_MANIFEST:
+            continue
+        if path == c.OWN_POD_DIR or path.startswith(c.OWN_POD_DIR + "/"):
+            target: str | None = c.STORE_POD + path[len(c.OWN_POD_DIR) :]
+        elif path == c.OWN_DIR or path.startswith(c.OWN_DIR + "/"):
+            target = None
+        elif path == c.DEVSHM_TAR:
+            target = c.STORE_DEVSHM
+        elif path == c.STATS_DUMP:
+            # Some engines keep it in checkpoint/ as well; that copy wins.
+            stats_inside = f"{c.CHECKPOINT_DIR}/{c.STATS_DUMP}" in entries
+            target = None if stats_inside else f"{base}/{c.CHECKPOINT_DIR}/{c.STATS_DUMP}"
+        elif path.split("/", 1)[0] in IGNORED_TOP:
+            target = None
+        else:
+            target = f"{base}/{path}"
+        if target is None:
+            continue
+        if st.kind == tarfmt.DIR:
+            plan.append(_Out(target, st.mode & 0o777, is_dir=True))
+        else:
+            plan.append(_Out(target, st.mode & 0o777, staged=st.name))
+
+    by_path = {o.path: o for o in plan}
+    if len(by_path) != len(plan):
+        raise errors.InvalidArgument("two archive members map to the same checkpoint file")
+    for need in (f"{base}/{c.CONFIG_DUMP}", f"{base}/{c.SPEC_DUMP}", c.STORE_POD_CONFIG):
+        if need not in by_path or by_path[need].is_dir:
+            raise errors.InvalidArgument(f"the archive has no {need} (as node-agent stores it)")
+    if not any(p.startswith(f"{base}/{c.CHECKPOINT_DIR}/") and not o.is_dir for p, o in by_path.items()):
+        raise errors.InvalidArgument("the archive has no CRIU images (checkpoint/)")
+
+    cfg = c.parse_json(staging.read(by_path[f"{base}/{c.CONFIG_DUMP}"].staged or "", limits.max_json_bytes, c.CONFIG_DUMP),
+                       c.CONFIG_DUMP, limits.max_json_bytes)
+    if not isinstance(cfg, Mapping) or not isinstance(cfg.get("config"), Mapping):
+        raise errors.InvalidArgument("config.dump has no CRI container config")
+    spec = c.parse_json(staging.read(by_path[f"{base}/{c.SPEC_DUMP}"].staged or "", limits.max_json_bytes, c.SPEC_DUMP),
+                        c.SPEC_DUMP, limits.max_json_bytes)
+    if not isinstance(spec, Mapping):
+        raise errors.InvalidArgument("spec.dump is not a JSON object")
+    pod_doc = c.parse_json(staging.read(by_path[c.STORE_POD_CONFIG].staged or "", limits.max_json_bytes, "pod config"),
+                           "node-agent/pod/config.json", limits.max_json_bytes)
+    if not isinstance(pod_doc, Mapping) or not isinstance(pod_doc.get("config"), Mapping):
+        raise errors.InvalidArgument("node-agent/pod/config.json has no pod config")
+    _check_pod_paths(pod_doc["config"], log_root)
+    if not allow_host_access:
+        _check_host_access(cfg["config"], pod_doc["config"], container)
+    for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
+        if nested in by_path and by_path[nested].staged:
+            _check_nested_tar(staging, by_path[nested].staged or "", what, limits)
+    return plan, out_meta
+
+
+def _default_cpuinfo(criu: str, work: str) -> Callable[[str], None]:
+    def dump(images_dir: str) -> None:
+        log_dir = os.path.join(work, "cpuinfo-work")
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        try:
+            cp = subprocess.run(
+                [criu, "cpuinfo", "dump", "-D", images_dir, "-W", log_dir, "-o", "cpuinfo-dump.log"],
+                stdin=subprocess.DEVNULL, capture_output=True, timeout=60, check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise errors.FailedPrecondition(f"cannot run {criu} cpuinfo dump: {exc}") from exc
+        if cp.returncode != 0:
+            tail = (cp.stderr or cp.stdout).decode(errors="replace").strip()[-500:]
+            raise errors.FailedPrecondition(f"{criu} cpuinfo dump failed ({cp.returncode}): {tail}")
+
+    return dump
+
+
+def _marker_files(store: Store, paths: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """An empty file for each marker mount, under <store>/interop/<token>/; (dir, container path -> file)."""
+    top = os.path.join(store.root, INTEROP_DIR)
+    os.makedirs(top, mode=0o700, exist_ok=True)
+    directory = os.path.join(top, secrets.token_hex(8))
+    os.mkdir(directory, 0o700)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    out: dict[str, str] = {}
+    try:
+        for i, dest in enumerate(paths):
+            fname = f"{i}-{os.path.basename(dest).lstrip('.') or 'file'}"
+            fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            os.close(fd)
+            out[dest] = os.path.join(directory, fname)
+    finally:
+        os.close(dfd)
+    return directory, out
+
+
+def _foreign_plan(
+    store: Store, staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits,
+    opts: foreign.ForeignOptions, options: Mapping[str, str], cpuinfo: Callable[[str], None],
+    cleanup: list[str],
+) -> tuple[list[_Out], dict[str, Any]]:
+    cfg = _read_json(staging, entries, c.CONFIG_DUMP, limits)
+    spec = _read_json(staging, entries, c.SPEC_DUMP, limits)
+    if not isinstance(cfg, Mapping) or not isinstance(spec, Mapping):
+        raise errors.InvalidArgument("config.dump and spec.dump must be JSON objects")
+    if not any(p.startswith(c.CHECKPOINT_DIR + "/") and s.kind == tarfmt.FILE for p, s in entries.items()):
+        raise errors.InvalidArgument("the archive has no CRIU images (checkpoint/)")
+    flags = parse_options(options)
+    uid = str(uuid.uuid4())
+    syn = foreign.synthesize(spec, cfg, opts, uid=uid)
+    base = f"containers/{syn.container}"
+
+    plan: list[_Out] = []
+    for path, st in entries.items():
+        top = path.split("/", 1)[0]
+        if top == c.CHECKPOINT_DIR:
+            target: str | None = f"{base}/{path}"
+        elif path == c.STATS_DUMP:
+            stats_inside = f"{c.CHECKPOINT_DIR}/{c.STATS_DUMP}" in entries
+            target = None if stats_inside else f"{base}/{c.CHECKPOINT_DIR}/{c.STATS_DUMP}"
+        elif path == c.DEVSHM_TAR:
+            target = c.STORE_DEVSHM
+        elif path in FOREIGN_KEEP:
+            target = f"{base}/{path}"
+        else:
+            target = None
+        if target is None:
+            continue
+        if st.kind == tarfmt.DIR:
+            plan.append(_Out(target, (st.mode & 0o777) | 0o700, is_dir=True))
+        else:
+            plan.append(_Out(target, (st.mode & 0o777) | 0o600, staged=st.name))
+    by_path = {o.path: o for o in plan}
+    if len(by_path) != len(plan):
+        raise errors.InvalidArgument("two archive members map to the same checkpoint file")
+
+    files_img = f"{base}/{c.CHECKPOINT_DIR}/files.img"
+    if files_img in by_path and by_path[files_img].staged:
+        old = by_path[files_img]
+        data = staging.read(old.staged or "", criuimg.MAX_FILES_IMG, "files.img")
+        relaxed, _changed = criuimg.relax_root_dir_mode(data)
+        plan[plan.index(old)] = _Out(files_img, old.mode, data=relaxed)
+    if f"{base}/{c.DELETED_FILES}" in by_path:
+        deleted = c.parse_json(
+            staging.read(by_path[f"{base}/{c.DELETED_FILES}"].staged or "", limits.max_json_bytes, c.DELETED_FILES),
+            c.DELETED_FILES, limits.max_json_bytes,
+        )
+        if not isinstance(deleted, list) or not all(isinstance(p, str) for p in deleted):
+            raise errors.InvalidArgument("deleted.files is not a JSON list of paths")
+    for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
+        if nested in by_path and by_path[nested].staged:
+            _check_nested_tar(staging, by_path[nested].staged or "", what, limits)
+
+    config_dump = syn.config_dump
+    interop_dir = ""
+    if syn.marker_mounts:
+        interop_dir, files = _marker_files(store, syn.marker_mounts)
+        cleanup.append(interop_dir)
+        for dest in syn.marker_mounts:
+            config_dump["config"]["mounts"].append({"container_path": dest, "host_path": files[dest]})
+    plan.append(_Out(f"{base}/{c.CONFIG_DUMP}", 0o600, data=_json_bytes(config_dump)))
+    plan.append(_Out(c.STORE_POD_CONFIG, 0o600, data=_json_bytes(syn.pod_doc)))
+    cpu_dir = os.path.join(staging.root, "cpuinfo")
+    os.mkdir(cpu_dir, 0o700)
+    cpuinfo(cpu_dir)
+    cpu_file = os.path.join(cpu_dir, "cpuinfo.img")
+    if not os.path.isfile(cpu_file) or os.path.islink(cpu_file):
+        raise errors.FailedPrecondition("the CPU description (cpuinfo.img) was not written")
+    plan.append(_Out(c.STORE_CPUINFO, 0o600, staged="cpuinfo/cpuinfo.img"))
+
+    meta: dict[str, Any] = {
+        "kind": METADATA_KIND,
+        "version": 1,
+        "created": _now(),
+        "node": socket.gethostname(),
+        "pod": {"id": "", "name": syn.pod_name, "namespace": syn.namespace, "uid": uid,
+                "runtime_handler": opts.runtime_handler},
+        "containers": [{"name": syn.container, "id": syn.original_id, "image": syn.image,
+                        "image_ref": config_dump["rootfsImageRef"], "dump_ms": 0.0}],
+        "frozen_ms": 0.0,
+        "options": flags.as_options(),
+        "criu_version": "",
+        "imported": {"format": syn.engine, "container_id": syn.original_id, "container_name": syn.original_name,
+                     "files": interop_dir, "at": _now()},
+    }
+    return plan, meta
+
+
+def _commit(store: Store, staging: _Staging, plan: list[_Out], meta: dict[str, Any]) -> CheckpointRecord:
+    with store.writer() as w:
+        for out in sorted(plan, key=lambda o: o.path):
+            if out.is_dir:
+                w.add_dir(out.path, mode=out.mode)
+            elif out.data is not None:
+                w.add_bytes(out.path, out.data, mode=out.mode)
+            else:
+                if out.staged is None:
+                    raise errors.Internal(f"no content staged for {out.path}")
+                w.add_file(out.path, staging.path(out.staged), mode=out.mode)
+        return w.commit(meta, annotations=manifest_annotations(meta))
+
+
+def import_archive(
+    store: Store,
+    path: str,
+    *,
+    namespace: str | None = None,
+    name: str | None = None,
+    container_name: str | None = None,
+    image: str | None = None,
+    cgroup_parent: str | None = None,
+    log_root: str | None = None,
+    runtime_handler: str = "",
+    volumes: Mapping[str, str] | None = None,
+    options: Mapping[str, str] | None = None,
+    allow_host_access: bool = False,
+    criu: str = "criu",
+    cpuinfo_dump: Callable[[str], None] | None = None,
+    work_dir: str | None = None,
+    limits: c.ImportLimits = c.ImportLimits(),
+) -> CheckpointRecord:
+    """Take a container checkpoint archive into the store as a one-container pod checkpoint.
+
+    `namespace` and `name` set the pod's namespace and name (a foreign
+    archive has none: "default" and the container's name are used).
+    For foreign archives only: `container_name`, `image` (default: the
+    archive's), `cgroup_parent` and `log_root` (parent of the pod's log
+    directory, default /var/log/pods) of the pod to restore, `volumes`
+    (container path -> host path for the container's own bind mounts),
+    `options` (checkpoint options the restore needs, e.g. tcp-established),
+    and `criu` or `cpuinfo_dump` to describe this node's CPU. For
+    node-agent archives, `log_root` (when given) must hold the pod's log
+    directory, and host mounts, devices and host ports in the configs are
+    refused unless `allow_host_access`.
+    """
+    if namespace is not None:
+        c.check_name(namespace, "namespace")
+    if name is not None:
+        c.check_name(name, "pod name")
+    work = work_dir or os.path.join(store.root, "work")
+    cleanup: list[str] = []
+    stream, _compression = _open_archive(path)
+    staging: _Staging | None = None
+    try:
+        try:
+            staging = _Staging(work)
+        except OSError as exc:
+            raise errors.Internal(f"cannot make a staging directory under {work}: {exc.strerror}") from exc
+        try:
+            entries = _read_members(stream, staging, limits)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise errors.ResourceExhausted(f"no space to stage the archive under {work}") from exc
+            raise errors.Internal(f"reading archive {path}: {exc}") from exc
+        if c.OWN_MANIFEST in entries:
+            plan, meta = _own_plan(
+                staging, entries, limits, namespace=namespace, name=name, log_root=log_root,
+                allow_host_access=allow_host_access,
+            )
+        else:
+            opts = foreign.ForeignOptions(
+                namespace=namespace, name=name, container_name=container_name, image=image,
+                cgroup_parent=cgroup_parent, log_root=log_root, runtime_handler=runtime_handler,
+                volumes=dict(volumes or {}),
+            )
+            plan, meta = _foreign_plan(
+                store, staging, entries, limits, opts, options or {},
+                cpuinfo_dump or _default_cpuinfo(criu, staging.root), cleanup,
+            )
+        record = _commit(store, staging, plan, meta)
+        cleanup.clear()
+        return record
+    finally:
+        stream.close()
+        if staging is not None:
+            staging.close()
+        for leftover in cleanup:
+            shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,31 @@
+"""Checkpoints to and from OCI registries, through the distribution API.
+
+Rule: the store is reached only through the small interfaces in ``ports``
+(the store's ``Store`` provides them); HTTP, TLS and auth live in
+``transport`` and ``auth``, on the standard library alone. Everything here is
+synchronous and blocking with a timeout on every socket operation: async
+callers run it in a worker thread. Credentials never reach a log record, a
+``repr`` or an error message.
+"""
+
+from node_agent.registry.auth import Credentials
+from node_agent.registry.manifest import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE
+from node_agent.registry.ports import Progress, ProgressCallback, PullReport, PushReport
+from node_agent.registry.pulling import pull
+from node_agent.registry.pushing import push
+from node_agent.registry.reference import Reference, parse_reference
+
+__all__ = [
+    "ARTIFACT_TYPE",
+    "MANIFEST_MEDIA_TYPE",
+    "MAX_MANIFEST_SIZE",
+    "Credentials",
+    "Progress",
+    "ProgressCallback",
+    "PullReport",
+    "PushReport",
+    "Reference",
+    "parse_reference",
+    "pull",
+    "push",
+]

@@ -1,0 +1,122 @@
+"""Pull: a checkpoint from a registry repository into the store.
+
+The manifest is fetched, bounded, checked against its digest and read as
+hostile input; each blob the store lacks is streamed into one store import,
+which verifies it and skips (without a request) the blobs it already holds;
+the import commits the manifest last. A pull that stopped half-way keeps the
+blobs it finished (linked into the store as each one is verified, kept until
+garbage collection), so running it again fetches only the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+
+from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
+from node_agent.registry.auth import Credentials
+from node_agent.registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE, manifest_digest, parse_manifest
+from node_agent.registry.ports import BlobImporter, BlobSink, ProgressCallback, PullReport
+from node_agent.registry.reference import Reference, parse_reference
+from node_agent.registry.tally import Tally, unique_blobs
+from node_agent.registry.transport import Session
+
+log = logging.getLogger(__name__)
+
+
+def pull(
+    store: BlobSink,
+    ref: str | Reference,
+    creds: Credentials,
+    *,
+    progress: ProgressCallback | None = None,
+    timeout: float = 60.0,
+) -> PullReport:
+    """Pull ``ref`` (``host/repo:tag`` or ``host/repo@sha256:...``) into ``store``; returns once it is published.
+
+    ``timeout`` bounds every socket operation. Safe to run again after any failure.
+    """
+    reference = parse_reference(ref)
+    if reference.tag is None and reference.digest is None:
+        raise InvalidArgument(f"reference {reference} names neither a tag nor a digest")
+    tally = Tally(progress)
+    with Session(reference, creds, timeout=timeout, actions="pull") as session:
+        tally.report("manifest")
+        manifest, digest = _get_manifest(session)
+        blobs = unique_blobs((b.digest, b.size) for b in parse_manifest(manifest))
+        tally.plan([size for _, size in blobs])
+        with store.importer() as importer:
+            tally.report("blobs")
+            for blob_digest, size in blobs:
+                _import_blob(session, importer, blob_digest, size, digest, tally)
+            tally.report("commit")
+            record = importer.commit(manifest)
+    if record.id != digest:
+        raise Internal(f"the store published manifest {digest} as {record.id}")
+    tally.report("done")
+    log.info(
+        "pulled %s as checkpoint %s: %d blob(s) downloaded (%d bytes), %d already here",
+        reference, digest, tally.moved, tally.bytes_moved, tally.skipped,
+    )
+    return PullReport(digest, tally.moved, tally.skipped, tally.bytes_moved)
+
+
+def _get_manifest(session: Session) -> tuple[bytes, str]:
+    """The manifest's bytes and digest, checked against the reference and the registry's own claim."""
+    ref = session.ref
+    target = ref.digest or ref.tag
+    assert target is not None
+    what = f"fetching manifest {target}"
+    url = session.url(f"/v2/{ref.repository}/manifests/{target}")
+    with session.request("GET", url, what, headers={"Accept": MANIFEST_MEDIA_TYPE}, follow_redirects=True) as resp:
+        if resp.status == 404:
+            resp.close()
+            raise NotFound(f"{session.where}: there is no manifest {target}")
+        if resp.status != 200:
+            raise resp.error(what)
+        content_type = (resp.header("Content-Type") or "").split(";")[0].strip()
+        claimed = (resp.header("Docker-Content-Digest") or "").strip()
+        data = resp.read(MAX_MANIFEST_SIZE, f"manifest {target}")
+    if content_type and content_type != MANIFEST_MEDIA_TYPE:
+        raise InvalidArgument(
+            f"{session.where}: {target} is {content_type[:100]!r}, not an OCI image manifest of a checkpoint"
+        )
+    digest = manifest_digest(data)
+    if ref.digest is not None and digest != ref.digest:
+        raise DataLoss(f"{session.where}: the manifest sent for {ref.digest} hashes to {digest}; refused")
+    if claimed.startswith("sha256:") and claimed != digest:
+        raise DataLoss(f"{session.where}: the registry says manifest {target} is {claimed[:80]}, but it hashes to {digest}; refused")
+    return data, digest
+
+
+def _import_blob(session: Session, importer: BlobImporter, digest: str, size: int, manifest: str, tally: Tally) -> None:
+    """Add one blob to the import; it is fetched only if the store does not have it.
+
+    The importer records every blob it is given (so garbage collection keeps
+    it until the import ends) and reads the stream only for a blob it lacks:
+    the download starts lazily, on the first read.
+    """
+    started = False
+
+    def download() -> Generator[bytes, None, None]:
+        nonlocal started
+        started = True
+        what = f"downloading blob {digest}"
+        url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
+        with session.request("GET", url, what, follow_redirects=True) as resp:
+            if resp.status == 404:
+                raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
+            if resp.status != 200:
+                raise resp.error(what)
+            yield from tally.counted(resp.chunks(size, f"blob {digest}"))
+
+    tally.restart_blob()
+    stream = download()
+    try:
+        importer.add_blob(digest, size, stream)
+    finally:
+        stream.close()
+    if started:
+        tally.blob_done()
+    else:
+        tally.skip(size)

@@ -1,0 +1,190 @@
+"""Moving checkpoints between stores: blobs in one by one, then the manifest.
+
+Rule: imported bytes and documents are hostile. ``add_blob`` streams a blob
+into the importer's ingest directory while hashing it, and links it into
+the blob directory only when its size and digest match (fsynced first, so
+a blob that survives a crash is whole); from then on the importer's lease
+keeps it until commit or abort, and a later import finds it present.
+``commit`` validates the manifest and config like any stored document,
+requires every blob they name to be present, stores the manifest blob and
+publishes it in ``index.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, BinaryIO, Final
+
+from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument
+from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, Ingest, os_error, write_all
+from node_agent.store.manifest import (
+    MAX_BLOB_SIZE,
+    check_manifest_matches,
+    decode_config,
+    decode_manifest,
+    digest_hex,
+    index_entry,
+    sha256_digest,
+)
+
+if TYPE_CHECKING:
+    from node_agent.store.checkpoints import Store
+    from node_agent.store.records import CheckpointRecord
+
+log = logging.getLogger(__name__)
+
+_READ_SIZE: Final = 1 << 20
+_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+
+
+def _pieces(stream: BinaryIO | Iterable[bytes]) -> Iterator[bytes]:
+    read = getattr(stream, "read", None)
+    if read is not None:
+        while True:
+            piece = read(_READ_SIZE)
+            if not piece:
+                return
+            yield piece
+    else:
+        yield from stream
+
+
+class BlobImporter:
+    """Brings the blobs of one checkpoint in from elsewhere, then publishes its manifest.
+
+    A context manager that aborts unless committed. ``add_blob`` may be
+    called from several threads at once.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._ingest = Ingest(store.ingest_dir, store.lock_path, store.blobs)
+        self._state = "open"
+        self._lock = threading.Lock()
+        self._linked = False
+        self.blobs_added = 0
+        self.blobs_skipped = 0
+        self.bytes_added = 0
+
+    def __enter__(self) -> BlobImporter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._state != "committed":
+            self.abort()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise FailedPrecondition(f"blob importer is already {self._state}")
+
+    def add_blob(self, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
+        """Store the blob ``digest`` of ``size`` bytes read from ``stream``.
+
+        A blob already present (or already added here) is skipped without
+        reading the stream. Bytes that don't match the size or digest are
+        DataLoss and nothing is kept.
+        """
+        self._check_open()
+        digest_hex(digest)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_BLOB_SIZE:
+            raise InvalidArgument(f"blob {digest}: size {size!r} is not in [0, {MAX_BLOB_SIZE}]")
+        if not self._ingest.claim(digest):
+            return
+        temp = self._ingest.temp_path(digest)
+        try:
+            if self._ingest.reference(digest, size):
+                with self._lock:
+                    self.blobs_skipped += 1
+                return
+            self._receive(temp, digest, size, stream)
+            self._store.blobs.link_in(temp, digest)
+        except BaseException as exc:
+            self._ingest.forget(digest)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            if isinstance(exc, OSError):
+                raise os_error(exc, f"importing blob {digest}") from exc
+            raise
+        with self._lock:
+            self._linked = True
+            self.blobs_added += 1
+            self.bytes_added += size
+
+    def _receive(self, temp: str, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
+        hasher = hashlib.sha256()
+        got = 0
+        fd = os.open(temp, _NEW_FILE, FILE_MODE)
+        try:
+            for piece in _pieces(stream):
+                got += len(piece)
+                if got > size:
+                    raise DataLoss(f"blob {digest}: received more than the expected {size} bytes")
+                hasher.update(piece)
+                write_all(fd, piece)
+            if got != size:
+                raise DataLoss(f"blob {digest}: received {got} bytes, expected {size}")
+            actual = "sha256:" + hasher.hexdigest()
+            if actual != digest:
+                raise DataLoss(f"blob {digest}: received bytes hash to {actual}")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self, manifest: bytes) -> CheckpointRecord:
+        """Validate ``manifest`` and its config, require every blob, publish; return the record.
+
+        Committing a manifest that is already published returns its record.
+        """
+        self._check_open()
+        store = self._store
+        try:
+            data = bytes(manifest)
+            doc = decode_manifest(data, error=InvalidArgument, what="imported manifest")
+            manifest_digest = sha256_digest(data)
+            where = f"imported checkpoint {manifest_digest}"
+            config_desc = doc.config
+            if not self._ingest.reference(config_desc.digest, config_desc.size):
+                raise FailedPrecondition(f"{where}: config blob {config_desc.digest} is missing; add it first")
+            config_bytes = store.blobs.read(config_desc.digest, config_desc.size)
+            config = decode_config(config_bytes, error=InvalidArgument, what=f"{where}: config")
+            check_manifest_matches(doc, config, error=InvalidArgument, what=where)
+            for layer in doc.layers:
+                if not self._ingest.reference(layer.digest, layer.size):
+                    raise FailedPrecondition(f"{where}: blob {layer.digest} is missing; add it first")
+            self._ingest.put(manifest_digest, data)
+            required = {d.digest: d.size for d in (*doc.layers, config_desc)}
+            required[manifest_digest] = len(data)
+            self._ingest.commit_blobs(required)
+            if self._linked:
+                store.blobs.sync()
+            store._publish(index_entry(manifest_digest, len(data), doc.annotations), required)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError):
+                raise os_error(exc, "committing an imported checkpoint") from exc
+            raise
+        self._ingest.release()
+        self._state = "committed"
+        record = store._record(manifest_digest, doc, config)
+        log.info(
+            "imported checkpoint %s (%d blobs added, %d already present)",
+            record.id,
+            self.blobs_added,
+            self.blobs_skipped,
+            extra={"checkpoint": record.id},
+        )
+        return record
+
+    def abort(self) -> None:
+        """Stop; blobs already verified and linked stay until garbage collection. Idempotent."""
+        if self._state == "open":
+            self._state = "aborted"
+        self._ingest.release()

@@ -1,0 +1,255 @@
+"""The ingest pipeline: read in segments, cut, then compress, hash and write on every core.
+
+Rule: memory stays flat whatever the file size. One reader (the caller's
+thread) reads each file in large segments into buffers drawn from a fixed
+budget, cuts them into content-defined chunks and hands each chunk to a
+thread pool; a worker encodes the chunk, hashes the stored bytes and writes
+them to the ingest directory unless the blob already exists. A segment's
+buffer goes back to the budget only when its last chunk is done, so the
+reader waits when the workers fall behind. zstd, hashlib and file writes
+release the GIL, so the workers run in parallel. New blob files are fsynced
+early by two flush threads, so the commit's durability barrier finds little
+left to write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final
+
+from node_agent.store import codec
+from node_agent.store.blobs import Ingest
+from node_agent.store.chunking import Chunker
+
+SEGMENT_SIZE: Final = 8 << 20
+_FLUSHERS: Final = 2
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """What a worker made of one chunk."""
+
+    digest: str
+    stored_size: int
+    encoding: str
+    new: bool
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    """A chunk handed to the pool: its place in the file and the worker's future."""
+
+    offset: int
+    size: int
+    future: Future[StoredChunk]
+
+
+class _Budget:
+    """Buffers for segments, bounded in total bytes; big buffers are reused.
+
+    Reusing big buffers keeps the kernel from zero-filling fresh pages for
+    every segment.
+    """
+
+    def __init__(self, big: int, limit: int) -> None:
+        self.big = big
+        self._limit = max(limit, big)
+        self._used = 0
+        self._free: list[bytearray] = []
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> bytearray:
+        cap = self.big if n > self.big // 4 else n
+        with self._cond:
+            while self._used and self._used + cap > self._limit:
+                self._cond.wait()
+            self._used += cap
+            if cap == self.big and self._free:
+                return self._free.pop()
+        return bytearray(cap)
+
+    def give(self, buf: bytearray) -> None:
+        with self._cond:
+            self._used -= len(buf)
+            if len(buf) == self.big and len(self._free) * self.big < self._limit:
+                self._free.append(buf)
+            self._cond.notify_all()
+
+    def drop(self) -> None:
+        with self._cond:
+            self._free.clear()
+
+
+class _Segment:
+    """A buffer shared by the reader and the chunks cut from it; returned when the last lets go."""
+
+    def __init__(self, budget: _Budget | None, buf: bytearray | bytes | memoryview) -> None:
+        self._budget = budget
+        self.buf = buf
+        self._refs = 1
+        self._lock = threading.Lock()
+
+    def retain(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last and self._budget is not None:
+            buf, self.buf = self.buf, b""
+            assert isinstance(buf, bytearray)
+            self._budget.give(buf)
+
+
+def fill(fd: int, buf: memoryview) -> int:
+    """Read into ``buf`` until it is full or the file ends; return the count."""
+    got = 0
+    while got < len(buf):
+        n = os.readv(fd, [buf[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class ChunkPipeline:
+    """Turns file contents into stored chunks for one writer, on ``workers`` threads."""
+
+    def __init__(self, chunker: Chunker, ingest: Ingest, workers: int) -> None:
+        self._chunker = chunker
+        self._ingest = ingest
+        self._workers = max(1, workers)
+        segment = max(SEGMENT_SIZE, chunker.max_size)
+        big = segment + chunker.max_size
+        self._segment = segment
+        self._budget = _Budget(big, big * min(6, max(3, 2 + self._workers // 4)))
+        self._executor: ThreadPoolExecutor | None = None
+        self._flusher: ThreadPoolExecutor | None = None
+        self._flushes: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._failed: BaseException | None = None
+        self.bytes_done = 0
+        self.bytes_written = 0
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The pool (started on first use)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="store-chunk")
+        return self._executor
+
+    def _flush(self, digest: str) -> None:
+        """Start writing a new blob back to disk now, so the commit's fsync finds little to do."""
+        with self._lock:
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(max_workers=_FLUSHERS, thread_name_prefix="store-flush")
+            self._flushes.append(self._flusher.submit(self._ingest.flush, digest))
+
+    def wait_flushed(self) -> None:
+        """Wait for the early fsyncs; raise the first failure."""
+        with self._lock:
+            flushes, self._flushes = self._flushes, []
+        for future in flushes:
+            future.result()
+
+    def add_fd(self, fd: int, size_hint: int, on_segment: Callable[[], None] | None = None) -> list[PendingChunk]:
+        """Read ``fd`` to its end and queue its chunks; ``size_hint`` sizes the reads.
+
+        OSError from reading propagates; a worker's failure is raised here
+        as soon as the reader notices it, and by the chunk's future.
+        """
+        out: list[PendingChunk] = []
+        carry = b""
+        pos = 0
+        left = max(0, size_hint)
+        first = True
+        while True:
+            self.raise_failure()
+            # Read one byte past the expected end, to see the end in the same round.
+            room = min(self._segment, left + 1) if left or first else self._segment
+            first = False
+            buf = self._budget.take(len(carry) + room)
+            seg = _Segment(self._budget, buf)
+            try:
+                view = memoryview(buf)[: len(carry) + room]
+                view[: len(carry)] = carry
+                n = fill(fd, view[len(carry) :])
+                filled = len(carry) + n
+                eof = n < room
+                left = max(0, left - n)
+                cuts, consumed = self._chunker.cut(view[:filled], final=eof)
+                for start, length in cuts:
+                    out.append(PendingChunk(pos + start, length, self._submit(seg, start, length)))
+                carry = bytes(view[consumed:filled])
+                pos += consumed
+                del view
+            finally:
+                seg.release()
+            if on_segment is not None:
+                on_segment()
+            if eof:
+                return out
+
+    def add_buffer(self, data: bytes | bytearray | memoryview) -> list[PendingChunk]:
+        """Queue the chunks of an in-memory buffer (the caller keeps it alive and unchanged)."""
+        view = memoryview(data).cast("B")
+        seg = _Segment(None, view)
+        try:
+            cuts, _ = self._chunker.cut(view, final=True)
+            return [PendingChunk(start, length, self._submit(seg, start, length)) for start, length in cuts]
+        finally:
+            seg.release()
+
+    def _submit(self, seg: _Segment, start: int, length: int) -> Future[StoredChunk]:
+        seg.retain()
+        try:
+            return self.executor.submit(self._store, seg, start, length)
+        except BaseException:
+            seg.release()
+            raise
+
+    def _store(self, seg: _Segment, start: int, length: int) -> StoredChunk:
+        try:
+            view = memoryview(seg.buf)[start : start + length]
+            stored, encoding = codec.encode(view)
+            digest = "sha256:" + hashlib.sha256(stored).hexdigest()
+            new = self._ingest.put(digest, stored)
+            if new:
+                self._flush(digest)
+            result = StoredChunk(digest=digest, stored_size=len(stored), encoding=encoding, new=new)
+            del view, stored
+        except BaseException as exc:
+            with self._lock:
+                if self._failed is None:
+                    self._failed = exc
+            raise
+        finally:
+            seg.release()
+        with self._lock:
+            self.bytes_done += length
+            if new:
+                self.bytes_written += result.stored_size
+        return result
+
+    def raise_failure(self) -> None:
+        """Raise the first worker failure, if any."""
+        if self._failed is not None:
+            raise self._failed
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Wait for (or cancel) queued work and stop the pool. Idempotent."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=cancel)
+            self._executor = None
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True, cancel_futures=cancel)
+            self._flusher = None
+        self._flushes.clear()
+        self._budget.drop()

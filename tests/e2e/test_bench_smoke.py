@@ -1,0 +1,101 @@
+"""bench/run.py --quick on the end-to-end bed: every metric comes out, nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import crilog
+from tests.e2e.bed import REPO, Bed, pods_in
+
+TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss"}
+SUMMARY = {
+    ("single", "16"): [
+        "agent_wall_s", "agent_frozen_reported_ms", "agent_frozen_outside_ms", "bare_wall_s", "bare_frozen_ms",
+        "tar_zstd_wall_s", "tar_zstd_dump_s", "tar_zstd_frozen_ms", "first_added_bytes", "size_bytes",
+    ],
+    ("restore", "16"): ["agent_wall_s", "agent_start_ms", "bare_wall_s", "bare_start_ms", "bare_sandbox_s", "bare_create_s"],
+    ("pair",): ["agent_wall_s", "agent_frozen_reported_ms", "agent_frozen_outside_ms", "bare_sum_wall_s", "bare_sum_frozen_ms"],
+    ("repeat",): ["size_bytes", "first_added_bytes", "added_bytes", "added_fraction"],
+    ("rss",): ["peak_mib"],
+}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def test_the_frozen_window_is_the_largest_gap_between_tick_stamps(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    lines = [
+        "2026-01-01T00:00:00.000000000Z stdout F tick 1",
+        "2026-01-01T00:00:00.005000000Z stdout F tick 2",
+        "2026-01-01T00:00:00.010Z stderr F tick 99",
+        "2026-01-01T01:00:00.250000000+01:00 stdout F tick 3",
+        "2026-01-01T00:00:00.255Z stdout F tick 4",
+    ]
+    log.write_text("\n".join(lines[:2]) + "\n")
+    t = crilog.TickLog(str(log))
+    t.mark()
+    log.write_text("\n".join(lines) + "\n")
+    gap = t.gap_since_mark(crilog.parse_ts("2026-01-01T00:00:00.100Z"), timeout=1)
+    assert gap.gap_ms == 245.0 and gap.ticks == 0
+    assert crilog.parse_ts("2026-01-01T00:00:01.5Z") - crilog.parse_ts("2026-01-01T00:00:00Z") == 1.5
+
+
+def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path: Path) -> None:
+    assert agent.agent is not None
+    plans = Path(agent.store) / "plans"
+    plans_before = set(os.listdir(plans)) if plans.is_dir() else set()
+    out = tmp_path / "results.json"
+    cp = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--bed", agent.name, "--attach", agent.config,
+         "--agent-pid", str(agent.agent.pid), "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert cp.returncode == 0, f"{cp.stderr[-4000:]}\n{cp.stdout[-2000:]}"
+    doc = json.loads(out.read_text())
+    assert doc["config"]["quick"] and doc["config"]["attached"]
+    for key in ("cores", "kernel", "containerd", "runc", "criu"):
+        assert doc["machine"][key], key
+
+    targets = {t["key"]: t for t in doc["targets"]}
+    assert set(targets) == TARGETS
+    for t in targets.values():
+        assert _number(t["ratio"]) and t["ratio"] > 0, t
+        assert isinstance(t["pass"], bool), t
+        assert t["key"] in ("repeat_store",) or t["ratio"] < 100, t
+    for path, keys in SUMMARY.items():
+        node: Any = doc["summary"]
+        for p in path:
+            node = node[p]
+        for k in keys:
+            assert _number(node[k]), (path, k, node.get(k))
+
+    # Raw samples: one interleaved run of each operation, each with its window.
+    run = doc["samples"]["single"]["16"][0]
+    for op in ("agent", "bare", "bare_tar_zstd"):
+        assert run[op]["wall_s"] > 0 and run[op]["frozen_outside_ms"] > 0, (op, run[op])
+        assert run[op]["start"] < run[op]["end"]
+    assert run["agent"]["frozen_reported_ms"] > 0
+    pair = doc["samples"]["pair"]["samples"][0]
+    assert set(pair["agent"]["gap_ms"]) == {"a", "b"} and set(pair["bare"]["containers"]) == {"a", "b"}
+    assert doc["samples"]["restore"]["16"][0]["bare"]["plan_renamed"] in (True, False)
+
+    for title in ("Targets", "Checkpoint, one container", "Restore until running", "Store and memory"):
+        assert title in cp.stdout, cp.stdout
+    assert "PASS" in cp.stdout or "MISS" in cp.stdout
+
+    # Nothing is left: pods, checkpoints, the work dir; the agent still serves.
+    for ns in ("bench", "bench-r", "bench-stage"):
+        assert pods_in(agent, ns) == [], ns
+    listed = json.loads(agent.cli("checkpoints", "ls", "-o", "json").stdout)
+    assert [c["id"] for c in listed if c["pod_namespace"] == "bench"] == []
+    assert not (tmp_path / "work").exists()
+    assert (set(os.listdir(plans)) if plans.is_dir() else set()) <= plans_before
+    assert agent.agent.poll() is None
