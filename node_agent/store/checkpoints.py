@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 
 # Memory images change in scattered pages and each changed page costs one
 # whole chunk, so chunks are small: 256 KiB on average (64 KiB to 1 MiB).
-DEFAULT_CHUNK_SIZE: Final = 256 << 10
+DEFAULT_CHUNK_SIZE: Final = 1 << 20
 MIN_PREFIX_LEN: Final = 6
 INDEX_NAME: Final = "index.json"
 LAYOUT_NAME: Final = "oci-layout"

@@ -2,7 +2,7 @@
  * memhog: a deterministic, memory-heavy workload for checkpoint/restore tests.
  *
  *   memhog [--mib N] [--port P] [--file PATH] [--shm PATH]
- *          [--interval-ms MS] [--seed S]
+ *          [--interval-ms MS] [--seed S] [--flip 0|1]
  *
  * Defaults: 16 MiB, no port, no file, no shm, 200 ms, seed 1.
  *
@@ -12,6 +12,7 @@
  *   0x9e3779b97f4a7c15). Every page is touched; MAP_POPULATE faults them in
  *   about three times faster than the fill loop would.
  * - Keeps a counter that starts at 0. Every interval: counter += 1, the word
+ *   (unless --flip 0, for a workload whose memory stays the same)
  *   at index splitmix64(counter) % words is inverted (~w), "tick <counter>\n"
  *   is written to stdout, and "<counter>\n" is appended to --file and --shm
  *   through descriptors opened once at start (O_WRONLY|O_APPEND|O_CREAT) and
@@ -59,7 +60,7 @@ static void die(const char *what)
 static void usage(void)
 {
     fprintf(stderr, "usage: memhog [--mib N] [--port P] [--file PATH] [--shm PATH] "
-                    "[--interval-ms MS] [--seed S]\n");
+                    "[--interval-ms MS] [--seed S] [--flip 0|1]\n");
     exit(2);
 }
 
@@ -187,13 +188,15 @@ static void serve(int lfd)
     }
 }
 
+static int flip = 1;
+
 static void tick(int file_fd, int shm_fd)
 {
     char line[64];
     int len;
 
     counter++;
-    if (nwords > 0) {
+    if (flip && nwords > 0) {
         size_t idx = (size_t)(splitmix64(counter) % nwords);
 
         buf[idx] = ~buf[idx];
@@ -237,6 +240,8 @@ int main(int argc, char **argv)
             interval = parse_u64(val, 86400000);
         else if (strcmp(opt, "--seed") == 0)
             seed = parse_u64(val, UINT64_MAX);
+        else if (strcmp(opt, "--flip") == 0)
+            flip = (int)parse_u64(val, 1);
         else
             usage();
         a++;

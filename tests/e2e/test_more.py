@@ -101,10 +101,11 @@ def test_a_corrupt_checkpoint_is_not_restored(agent: Bed) -> None:
         ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
     finally:
         remove_pod(agent, pod.id)
-    with open(os.path.join(agent.store, "checkpoints", ckpt.split(":")[1] + ".json"), encoding="utf-8") as fh:
+    blobs = os.path.join(agent.store, "blobs", "sha256")
+    with open(os.path.join(blobs, ckpt.split(":")[1]), encoding="utf-8") as fh:
         manifest = json.load(fh)
-    big = max((f for f in manifest["files"] if f.get("chunks")), key=lambda f: f["size"])
-    blob = os.path.join(agent.store, "blobs", "sha256", big["chunks"][0]["digest"].split(":")[1])
+    victim = max(manifest["layers"], key=lambda layer: layer["size"])["digest"]
+    blob = os.path.join(blobs, victim.split(":")[1])
     with open(blob, "r+b") as fh:
         fh.seek(0)
         b = fh.read(1)

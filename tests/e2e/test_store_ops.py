@@ -46,7 +46,7 @@ def test_gc_racing_a_checkpoint_loses_nothing(agent: Bed) -> None:
 
 
 def test_verify_names_a_corrupt_blob_and_a_repeat_checkpoint_adds_little(agent: Bed) -> None:
-    pod = counter_pod(agent, "e2e-verify", mib=256)
+    pod = counter_pod(agent, "e2e-verify", mib=256, flip=False)
     try:
         d = container_detail(agent, pod.containers["server"])
         wait_for(lambda: len(ticks(d.log_path)) >= 3, what="ticks")
