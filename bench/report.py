@@ -395,14 +395,15 @@ of the timed runs. The raw samples, warm-up rounds included, are in the JSON.
   durable.
 - **Store: first / next (ticking).** Bytes added to the checkpoint store (every
   file under the store directory except `work/`, `plans/`, `logs/`, `journal/`,
-  `bin/` and `ingest/`: blobs and manifests) by the first agent checkpoint of a
-  workload, and (median)
-  by each later one while the previous one is still stored. The ticking
-  workload changes one word every 5 ms, spread over its whole memory.
+  `bin/` and `ingest/`: blobs and manifests) by the first timed agent
+  checkpoint of a workload, and (median) by each later one while the previous
+  one is still stored. The ticking workload changes one word every 5 ms,
+  spread over its whole memory.
 - **Repeated checkpoint, unchanged.** The same, on a separate pod whose
-  memhog does not tick during the measurement (its memory does not change):
-  a first checkpoint, then repeats, each measured with the previous one
-  stored. The limit is 5% of the checkpoint's size.
+  memhog ticks every 5 ms but flips no word (`--flip 0`), so its memory stays
+  the same apart from its counter and stack: a first checkpoint, then repeats,
+  each measured with the previous one stored. The limit is 5% of the
+  checkpoint's size.
 - **Restore (agent).** Wall time of `node-agent restore ID --namespace bench-r
   --start -o json`: verification of every blob, the sandbox, `/dev/shm`, the
   container, the restore plan read from the store, and StartContainer, which
@@ -428,10 +429,11 @@ of the timed runs. The raw samples, warm-up rounds included, are in the JSON.
   each path does, not of the disk. A copy of the images written just before
   the baseline would have slowed its CRIU memory restore two- to threefold on
   a virtual machine, so it is hard-linked instead.
-- **Agent peak RSS.** The agent is restarted before the first checkpoint of the
-  largest one-container workload; `VmHWM` of its process
+- **Agent peak RSS.** The agent is restarted before the first timed checkpoint
+  of the largest one-container workload; `VmHWM` of its process
   (`/proc/<pid>/status`) right after that checkpoint. runc and CRIU run in
-  their own processes and are not counted.
+  their own processes and are not counted. (With `--attach`, the agent is not
+  restarted and the figure is its high-water mark since it started.)
 """
 
 

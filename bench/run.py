@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -59,7 +60,6 @@ from tests.e2e.bed import NODE_AGENT, Bed, bring_up, container_config, pod_confi
 
 T = TypeVar("T")
 FAST_TICK_MS = 5
-IDLE_TICK_MS = 3_600_000  # no tick (and so no memory write) during the measurement
 NS_SRC, NS_RESTORE, NS_STAGE = "bench", "bench-r", "bench-stage"
 MARKER = ".node-agent-bench"
 
@@ -155,18 +155,6 @@ def link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, symlinks=True, copy_function=link)
 
 
-def idle_in_poll(pid: int) -> bool:
-    """memhog has filled its memory and sleeps in its main loop's poll()."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            st = fh.read()
-        with open(f"/proc/{pid}/wchan", encoding="ascii", errors="replace") as fh:
-            wchan = fh.read()
-    except OSError:
-        return False
-    return st[st.rfind(")") + 2:][:1] == "S" and "poll" in wchan
-
-
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -205,9 +193,10 @@ class SrcPod:
     containers: list[Ctr] = field(default_factory=list)
 
 
-def memhog(name: str, image: str, mib: int, interval_ms: int) -> dict[str, Any]:
+def memhog(name: str, image: str, mib: int, flip: bool) -> dict[str, Any]:
+    """memhog ticking every 5 ms; with `flip` False its memory stays the same."""
     return container_config(name, image, [
-        "/usr/local/bin/memhog", "--mib", str(mib), "--interval-ms", str(interval_ms),
+        "/usr/local/bin/memhog", "--mib", str(mib), "--interval-ms", str(FAST_TICK_MS), "--flip", "1" if flip else "0",
     ])
 
 
@@ -358,6 +347,9 @@ class Bench:
                 errors.append(f"scripts/testbed down {self.args.bed}: {exc}")
         if self.work_claimed and (not self.args.keep or not self.own_bed):
             shutil.rmtree(self.work, ignore_errors=True)
+            if not self.args.workdir:
+                with contextlib.suppress(OSError):
+                    self.work.parent.rmdir()  # the default parent, when empty
         elif self.bed is not None and self.args.keep:
             log(f"kept: test bed {self.args.bed} (scripts/testbed down {self.args.bed}), store {self.store}")
         for e in errors:
@@ -365,10 +357,10 @@ class Bench:
 
     # ---- pods ---------------------------------------------------------------
 
-    def new_pod(self, kind: str, mib: int, names: list[str], interval_ms: int) -> SrcPod:
+    def new_pod(self, kind: str, mib: int, names: list[str], flip: bool = True) -> SrcPod:
         name = f"{kind}-{mib}-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, NS_SRC, name)
-        cfgs = [memhog(n, self.b.info["images"]["memhog"], mib, interval_ms) for n in names]
+        cfgs = [memhog(n, self.b.info["images"]["memhog"], mib, flip) for n in names]
         for n in names:
             os.makedirs(os.path.join(pcfg["log_directory"], n), exist_ok=True)
 
@@ -386,13 +378,8 @@ class Bench:
 
         pod = self.cri(go)
         for c in pod.containers:
-            # memhog fills its memory before the first tick (or, idle, before sleeping).
-            ready: Callable[[], bool]
-            if interval_ms == FAST_TICK_MS:
-                ready = functools.partial(lambda t: t.poll() >= 40, c.log)
-            else:
-                ready = functools.partial(idle_in_poll, c.pid)
-            wait_until(ready, 60 + mib / 8, f"{name}/{c.name} to start")
+            # memhog fills its memory before its first tick.
+            wait_until(functools.partial(lambda t: t.poll() >= 40, c.log), 60 + mib / 8, f"{name}/{c.name} to tick")
         return pod
 
     def remove_pod(self, pod_id: str) -> None:
@@ -634,7 +621,7 @@ class Bench:
     def single(self, mib: int, measure_rss: bool) -> None:
         runs = self.args.runs
         log(f"{mib} MiB, one container: {runs} interleaved runs")
-        pod = self.new_pod("hog", mib, ["hog"], FAST_TICK_MS)
+        pod = self.new_pod("hog", mib, ["hog"])
         c = pod.containers[0]
         samples: list[dict[str, Any]] = []
         rss: dict[str, Any] | None = None
@@ -718,7 +705,7 @@ class Bench:
     def pair(self, mib: int) -> None:
         runs = self.args.runs
         log(f"{mib} MiB x 2 containers: {runs} interleaved runs")
-        pod = self.new_pod("pair", mib, ["a", "b"], FAST_TICK_MS)
+        pod = self.new_pod("pair", mib, ["a", "b"])
         samples: list[dict[str, Any]] = []
         try:
             for i in range(-self.args.warmup, runs):
@@ -751,7 +738,7 @@ class Bench:
     def repeat(self, mib: int) -> None:
         runs = self.args.runs
         log(f"{mib} MiB, unchanged: a first checkpoint, then {runs} repeats")
-        pod = self.new_pod("idle", mib, ["hog"], IDLE_TICK_MS)
+        pod = self.new_pod("steady", mib, ["hog"], flip=False)
         ids: list[str] = []
         samples: list[dict[str, Any]] = []
         try:

@@ -32,7 +32,9 @@ from node_agent import errors
 from node_agent.config import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
 from node_agent.journal import Entry, Journal
+from node_agent.metrics import Metrics, instrumented
 from node_agent.store import CheckpointRecord, Store
+from node_agent.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ class CheckpointRequest:
     pod: str
     containers: Sequence[str] = ()
     options: Mapping[str, str] = field(default_factory=dict)
+    # Where the checkpoint is published: the agent's own store when None
+    # (CRI CheckpointPod writes a self-contained store in the caller's directory).
+    store: Store | None = None
 
 
 # Options handled by the agent itself rather than passed to runc.
@@ -186,8 +191,9 @@ class Checkpointer:
         self.journal = journal
         self.criu = criu
         self.runc = Runc(settings.runc, settings.runc_root)
-        self._busy: set[str] = set()
+        self.turns = Turns(max_waiting=8)
         self._mem_track: bool | None = None
+        self.metrics = Metrics()
 
     async def _want_pre_dump(self, wish: bool | None, pod: Pod) -> bool:
         """Pre-dump where the kernel tracks dirty memory; say once when it can't."""
@@ -214,6 +220,7 @@ class Checkpointer:
             )
         return False
 
+    @instrumented("checkpoint")
     async def checkpoint(
         self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
     ) -> CheckpointRecord:
@@ -225,14 +232,13 @@ class Checkpointer:
             async with asyncio.timeout(timeout):
                 pod = await resolve_pod(self.cri, req.pod)
                 pod_ref = pod.ref
-                if pod.id in self._busy:
-                    raise errors.FailedPrecondition(f"pod {pod.ref}: another checkpoint of it is running")
-                self._busy.add(pod.id)
-                try:
+                phase[0] = "waiting for an earlier operation on the pod"
+                if self.turns.busy(pod.id):
+                    progress(Progress("queued", message=f"pod {pod.ref} is busy; waiting"))
+                async with self.turns.turn(pod.id, f"checkpoint of pod {pod.ref}"):
+                    phase[0] = "resolve"
                     pre_dump = await self._want_pre_dump(pre_dump_wish, pod)
                     return await self._run(pod, req, flags, pre_dump, phase, progress)
-                finally:
-                    self._busy.discard(pod.id)
         except TimeoutError as exc:
             raise errors.DeadlineExceeded(
                 f"checkpoint of pod {pod_ref}: the deadline ({timeout:g}s) passed during {phase[0]}; "
@@ -329,7 +335,7 @@ class Checkpointer:
             meta = self._metadata(pod, pod_detail, targets, flags, frozen_ms, dump_ms, criu_version)
             meta["pre_dump"] = pre_dump
             self._write_config_files(work, pod_detail, targets)
-            record = await asyncio.to_thread(self._ingest, work, meta)
+            record = await asyncio.to_thread(self._ingest, work, meta, req.store)
             progress(Progress("done", total, total, record.size, record.size, record.id))
             log.info("checkpoint %s of pod %s published", record.id, pod.ref, extra={"pod": pod.ref, "checkpoint": record.id, "phase": "publish"})
             return record
@@ -529,10 +535,12 @@ class Checkpointer:
                 os.replace(os.path.join(wdir, "dump.log"), os.path.join(t.dir, "dump.log"))
             shutil.rmtree(wdir, ignore_errors=True)
 
-    def _ingest(self, work: str, meta: dict[str, Any]) -> CheckpointRecord:
-        with self.store.writer() as w:
+    def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
+        with (store or self.store).writer() as w:
             w.add_tree("", work)
-            return w.commit(meta, annotations=manifest_annotations(meta))
+            record = w.commit(meta, annotations=manifest_annotations(meta))
+            self.metrics.observe_ingest(record, w.bytes_written)
+            return record
 
 
 # CRIU suggests its own flags; say how to pass them through node-agent.

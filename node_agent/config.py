@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from node_agent.authz import Rule, parse_rules
 from node_agent.errors import InvalidArgument
 
 DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
@@ -66,6 +67,19 @@ class Settings:
     # Pre-dump memory while the pod runs where the kernel tracks dirty
     # memory: "auto" (default: where supported), "always" or "never".
     pre_dump: str = "auto"
+    # The mutual-TLS API listener (HOST:PORT; off when empty), its PEM
+    # files (re-read when they change) and who may call what there.
+    listen: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    authorization: tuple[Rule, ...] = ()
+    # Plaintext health (HOST:PORT or PORT, loopback by default) and
+    # Prometheus metrics listeners; off when empty.
+    health_listen: str = ""
+    metrics_listen: str = ""
+    # The CRI endpoint for the kubelet (unix:///path; off when empty).
+    cri_listen: str = ""
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
 
@@ -96,7 +110,27 @@ class Settings:
 
 
 _SECTIONS: dict[str, Any] = {"timeouts": Timeouts, "retention": Retention}
-_TOP_KEYS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings) if f.name not in _SECTIONS}
+
+
+def _listen_value(value: Any) -> str:
+    """A listener address; a bare port may be written as a number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise InvalidArgument(f"a listener address must be HOST:PORT or a port, got {value!r}")
+    return value
+
+
+# Keys with their own parser: config key -> (attribute, parser).
+_PARSED: dict[str, tuple[str, Any]] = {
+    "authorization": ("authorization", parse_rules),
+    "health-listen": ("health_listen", _listen_value),
+    "metrics-listen": ("metrics_listen", _listen_value),
+}
+_TOP_KEYS = {
+    f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)
+    if f.name not in _SECTIONS and f.name.replace("_", "-") not in _PARSED
+}
 _LOG_FORMATS = ("text", "json")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -141,8 +175,13 @@ def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Setti
                 schanges[fld.name] = _coerce(f"{key}.{skey}", sval, num)
             changes[key] = dataclasses.replace(getattr(base, key), **schanges)
             continue
+        if key in _PARSED:
+            attr, parse = _PARSED[key]
+            changes[attr] = parse(value)
+            continue
         if key not in _TOP_KEYS:
-            raise InvalidArgument(f"unknown config key {key!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+            names = sorted({*_TOP_KEYS, *_SECTIONS, *_PARSED})
+            raise InvalidArgument(f"unknown config key {key!r} (known: {', '.join(names)})")
         attr = _TOP_KEYS[key]
         kind: type = int if types[attr] in ("int", int) else str
         changes[attr] = _coerce(key, value, kind)
@@ -155,6 +194,8 @@ def validate(s: Settings) -> Settings:
             raise InvalidArgument(f"{name.replace('_', '-')} must be an absolute path, got {getattr(s, name)!r}")
     if not s.cri_endpoint.startswith(("unix://", "unix:")) and ":" not in s.cri_endpoint:
         raise InvalidArgument(f"cri-endpoint must be a unix:// URL or HOST:PORT, got {s.cri_endpoint!r}")
+    if s.cri_listen and not (s.cri_listen.startswith("unix:///") and len(s.cri_listen) > len("unix:///")):
+        raise InvalidArgument(f"cri-listen must be a unix:///path URL, got {s.cri_listen!r}")
     if s.log_format not in _LOG_FORMATS:
         raise InvalidArgument(f"log-format must be one of {', '.join(_LOG_FORMATS)}")
     if s.log_level not in _LOG_LEVELS:
@@ -163,6 +204,32 @@ def validate(s: Settings) -> Settings:
         raise InvalidArgument("pre-dump must be auto, always or never")
     if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
         raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
+    return _validate_listeners(s)
+
+
+def host_port(value: str, *, default_host: str = "", what: str = "listen") -> tuple[str, int]:
+    """`HOST:PORT`, `[V6]:PORT`, or `PORT`/`:PORT` with `default_host`."""
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = "", value
+    host = host.strip("[]") or default_host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{what} must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _validate_listeners(s: Settings) -> Settings:
+    if s.listen:
+        host_port(s.listen)
+        missing = [k for k in ("tls_cert", "tls_key", "tls_client_ca") if not getattr(s, k)]
+        if missing:
+            raise InvalidArgument(
+                f"listen {s.listen} needs {', '.join(k.replace('_', '-') for k in missing)} (mutual TLS only)"
+            )
+    if s.health_listen:
+        host_port(s.health_listen, default_host="127.0.0.1", what="health-listen")
+    if s.metrics_listen:
+        host_port(s.metrics_listen, default_host="127.0.0.1", what="metrics-listen")
     return s
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import logging
 import os
 import shutil
@@ -19,10 +18,12 @@ from criu_bridge.rpc import CriuClient
 from node_agent import errors
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
+from node_agent.api.listeners import SERVER_OPTIONS, Listeners
 from node_agent.checkpointing import POD_ANNOTATION, Checkpointer
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
+from node_agent.metrics import Metrics
 from node_agent.recovery import recover
 from node_agent.restoring import Restorer
 from node_agent.store import Store
@@ -76,21 +77,6 @@ def install_wrapper(s: Settings) -> str:
     return s.wrapper_path
 
 
-def _listen_unix(server: grpc.aio.Server, path: str) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    if os.path.exists(path):
-        os.unlink(path)
-    server.add_insecure_port("unix://" + path)
-
-
-def _secure_socket(path: str, group: str) -> None:
-    gid = -1
-    if group:
-        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-    os.chown(path, 0, gid)
-    os.chmod(path, 0o660)
-
-
 async def serve(s: Settings) -> None:
     prepare_dirs(s)
     install_wrapper(s)
@@ -106,18 +92,27 @@ async def serve(s: Settings) -> None:
             log.warning("recovered %d unfinished operation(s)", n)
         checkpointer = Checkpointer(s, cri, store, journal, criu)
         restorer = Restorer(s, cri, store, journal, criu)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+        metrics = Metrics()
+        metrics.store_size = store.usage
+        checkpointer.metrics = restorer.metrics = metrics
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         policy = retention_policy(s)
 
         def gc(dry_run: bool = False) -> Any:
             return store.gc(policy, dry_run=dry_run)
 
-        pb_grpc.add_NodeAgentServicer_to_server(  # type: ignore[no-untyped-call]
-            AgentServicer(checkpointer, restorer, store, gc), server
-        )
-        _listen_unix(server, s.socket)
+        servicer = AgentServicer(checkpointer, restorer, store, gc)
+        pb_grpc.add_NodeAgentServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        listeners = Listeners(s, servicer, metrics)
+        await listeners.bind(server)
         await server.start()
-        _secure_socket(s.socket, s.socket_group)
+        await listeners.start()
+        cri_listener = None
+        if s.cri_listen:
+            from node_agent.api.cri_endpoint import CriListener
+
+            cri_listener = CriListener(s.cri_listen, checkpointer, restorer, store)
+            await cri_listener.start()
         log.info("serving on unix://%s (CRI %s)", s.socket, s.cri_endpoint)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -133,6 +128,8 @@ async def serve(s: Settings) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await gc_task
         # Let operations in flight finish their cleanup (thaw, remove).
-        await server.stop(grace=s.timeouts.cleanup)
+        if cri_listener is not None:
+            await cri_listener.stop(grace=s.timeouts.cleanup)
+        await listeners.stop(server, grace=s.timeouts.cleanup)
     finally:
         await cri.close()

@@ -62,6 +62,12 @@ class DataLoss(AgentError):
     code = "DATA_LOSS"
 
 
+class Aborted(AgentError):
+    """A conflicting operation is in progress on the same object."""
+
+    code = "ABORTED"
+
+
 class Cancelled(AgentError):
     """The operation was cancelled by its caller."""
 
@@ -89,6 +95,7 @@ class Unauthenticated(AgentError):
 BY_CODE: dict[str, type[AgentError]] = {
     cls.code: cls
     for cls in (
+        Aborted,
         NotFound,
         AlreadyExists,
         FailedPrecondition,

@@ -30,6 +30,7 @@ from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_pr
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Entry, Journal
+from node_agent.metrics import Metrics, instrumented
 from node_agent.store import CheckpointRecord, Store
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,13 @@ class RestoreRequest:
     start: bool = False
     options: Mapping[str, str] = field(default_factory=dict)
     runtime_handler: str = ""
+    # CRI RestorePod: the store holding the checkpoint (the agent's own when
+    # None), and the caller's new PodSandboxConfig and ContainerConfigs (by
+    # container name) as JSON. Given configs replace the checkpointed ones;
+    # the pod's name, namespace and UID then come from `pod_config`.
+    source: Store | None = None
+    pod_config: Mapping[str, Any] | None = None
+    container_configs: Mapping[str, Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,13 @@ def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkp
     return cfg
 
 
+def with_restored_from(pod_config: Mapping[str, Any], checkpoint_id: str) -> dict[str, Any]:
+    """A caller's pod config, annotated with the checkpoint it is restored from."""
+    cfg: dict[str, Any] = json.loads(json.dumps(pod_config))
+    cfg["annotations"] = {**(cfg.get("annotations") or {}), RESTORED_FROM: checkpoint_id}
+    return cfg
+
+
 class Restorer:
     def __init__(self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient) -> None:
         self.settings = settings
@@ -177,7 +192,10 @@ class Restorer:
         self.store = store
         self.journal = journal
         self.criu = criu
+        self._targets: set[str] = set()
+        self.metrics = Metrics()
 
+    @instrumented("restore")
     async def restore(
         self, req: RestoreRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
     ) -> RestoredPod:
@@ -207,31 +225,56 @@ class Restorer:
             self.journal.remove(entry)
 
     async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
-        record = await asyncio.to_thread(self.store.get, req.checkpoint_id)
-        saved = await asyncio.to_thread(load_saved, self.store, record)
-        namespace = _check_name("namespace", req.namespace) if req.namespace else saved.namespace
-        name = _check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
-        uid = str(uuid.uuid4())
+        store = req.source or self.store
+        record = await asyncio.to_thread(store.get, req.checkpoint_id)
+        saved = await asyncio.to_thread(load_saved, store, record)
+        if req.pod_config is not None:
+            given = req.pod_config.get("metadata") or {}
+            namespace = _check_name("namespace", str(given.get("namespace", "")))
+            name = _check_name("pod name", str(given.get("name", "")))
+            uid = str(given.get("uid") or "") or str(uuid.uuid4())
+        else:
+            namespace = _check_name("namespace", req.namespace) if req.namespace else saved.namespace
+            name = _check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
+            uid = str(uuid.uuid4())
         where = f"{namespace}/{name}"
         handler = req.runtime_handler or self.settings.runtime_handler
+        if where in self._targets:
+            raise errors.Aborted(f"restore as pod {where}: another restore into that pod is in progress")
+        self._targets.add(where)
+        try:
+            if any(p.namespace == namespace and p.name == name and p.ready for p in await self.cri.list_pods()):
+                raise errors.AlreadyExists(f"restore as pod {where}: a pod of that name is already running")
+            return await self._restore_into(req, record, saved, namespace, name, uid, where, handler,
+                                            entry, phase, progress)
+        finally:
+            self._targets.discard(where)
+
+    async def _restore_into(
+        self, req: RestoreRequest, record: CheckpointRecord, saved: _Saved, namespace: str, name: str, uid: str,
+        where: str, handler: str, entry: Entry, phase: list[str], progress: ProgressFn,
+    ) -> RestoredPod:
 
         if str(req.options.get("allow-host-access", "false")).lower() not in ("true", "1", "yes", ""):
             host_access_refusal(record.id, saved)
         phase[0] = "preflight"
         progress(Progress("preflight", message=where))
-        await self._preflight(record, saved)
+        await self._preflight(record, saved, req.source)
 
         phase[0] = "sandbox"
         entry.data.update({"checkpoint": record.id, "pod": where})
         self.journal.write(entry)
-        pod_config = target_pod_config(saved, namespace, name, uid, record.id)
+        pod_config = (
+            target_pod_config(saved, namespace, name, uid, record.id) if req.pod_config is None
+            else with_restored_from(req.pod_config, record.id)
+        )
         progress(Progress("sandbox", 0, len(saved.containers), message=where))
         # Read and verify every file while containerd makes the sandbox.
         staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
         os.makedirs(staging, mode=0o700)
         try:
             unpack = asyncio.create_task(
-                asyncio.to_thread(self._unpack, record, staging), name=f"unpack {record.id[:19]}"
+                asyncio.to_thread(self._unpack, record, staging, req.source), name=f"unpack {record.id[:19]}"
             )
             try:
                 pod_id = await self.cri.run_pod(pod_config, handler)
@@ -249,11 +292,12 @@ class Restorer:
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
-    def _unpack(self, record: CheckpointRecord, staging: str) -> None:
+    def _unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None) -> None:
+        store = source or self.store
         try:
-            self.store.materialize(record.id, staging, prefix="containers")
+            store.materialize(record.id, staging, prefix="containers")
             if any(f.path == "pod/devshm.tar" for f in record.files):
-                self.store.materialize(record.id, staging, prefix="pod/devshm.tar")
+                store.materialize(record.id, staging, prefix="pod/devshm.tar")
         except errors.DataLoss as exc:
             raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
 
@@ -265,8 +309,11 @@ class Restorer:
         created: list[tuple[str, str]] = []
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
             phase[0] = f"create {cname}"
-            ccfg = dict(cfg["config"])
-            ccfg["metadata"] = {"name": cname, "attempt": 0}
+            if req.container_configs is not None:
+                ccfg = dict(req.container_configs[cname])
+            else:
+                ccfg = dict(cfg["config"])
+                ccfg["metadata"] = {"name": cname, "attempt": 0}
             cid = await self.cri.create_container(pod_id, ccfg, pod_config)
             plan_dir = os.path.join(self.settings.plans_dir, cid)
             entry.data["plans"].append(plan_dir)
@@ -293,7 +340,7 @@ class Restorer:
         entry.data = {}
         return RestoredPod(pod_id, namespace, name, uid, record.id, tuple(created), started)
 
-    async def _preflight(self, record: CheckpointRecord, saved: _Saved) -> None:
+    async def _preflight(self, record: CheckpointRecord, saved: _Saved, source: Store | None = None) -> None:
         for cname, cfg, _ in saved.containers:
             image = str((cfg["config"].get("image") or {}).get("image") or cfg.get("rootfsImageName") or "")
             if not image:
@@ -313,7 +360,7 @@ class Restorer:
         tmp = os.path.join(self.settings.work_dir, "cpuinfo-" + secrets.token_hex(4))
         os.makedirs(tmp, mode=0o700)
         try:
-            await asyncio.to_thread(self.store.materialize, record.id, tmp, prefix="pod/cpuinfo")
+            await asyncio.to_thread((source or self.store).materialize, record.id, tmp, prefix="pod/cpuinfo")
             try:
                 await self.criu.cpuinfo_check(os.path.join(tmp, "pod", "cpuinfo"))
             except RuntimeFailure as exc:

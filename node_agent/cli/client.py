@@ -1,8 +1,9 @@
-"""A synchronous client of the local API socket, for the CLI."""
+"""A synchronous client of the daemon, for the CLI: the local socket, or the mutual-TLS listener."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
@@ -26,10 +27,48 @@ def socket_path(flag: str | None) -> str:
     return flag or os.environ.get(ENV_SOCKET) or Settings().socket
 
 
+@dataclass(frozen=True)
+class Remote:
+    """The daemon's mutual-TLS listener and this client's certificate."""
+
+    server: str
+    cert: str
+    key: str
+    ca: str
+
+    def channel(self) -> grpc.Channel:
+        files = []
+        for flag, path in (("--ca", self.ca), ("--key", self.key), ("--cert", self.cert)):
+            try:
+                with open(path, "rb") as fh:
+                    files.append(fh.read())
+            except OSError as exc:
+                raise CliError(f"{flag} {path}: {exc.strerror}", 2) from None
+        creds = grpc.ssl_channel_credentials(root_certificates=files[0], private_key=files[1], certificate_chain=files[2])
+        return grpc.secure_channel(self.server, creds)
+
+
+_remote: Remote | None = None
+
+
+def use_remote(server: str | None, cert: str | None, key: str | None, ca: str | None) -> None:
+    """Send the commands of this process to `server` over mutual TLS instead of the local socket."""
+    global _remote
+    if not server:
+        if cert or key or ca:
+            raise CliError("--cert, --key and --ca go with --server HOST:PORT", 2)
+        _remote = None
+        return
+    if not (cert and key and ca):
+        raise CliError("--server needs --cert, --key and --ca (the listener takes mutual TLS only)", 2)
+    _remote = Remote(server, cert, key, ca)
+
+
 class Client:
     def __init__(self, socket: str) -> None:
         self.socket = socket
-        self.channel = grpc.insecure_channel("unix://" + socket)
+        self.remote = _remote
+        self.channel = self.remote.channel() if self.remote else grpc.insecure_channel("unix://" + socket)
         self.stub = pb_grpc.NodeAgentStub(self.channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> "Client":
@@ -41,6 +80,8 @@ class Client:
     def translate(self, exc: grpc.RpcError) -> CliError:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.UNAVAILABLE and self.remote is not None:
+            return CliError(f"cannot reach node-agent at {self.remote.server}: {details}", 3)
         if code == grpc.StatusCode.UNAVAILABLE and not os.path.exists(self.socket):
             return CliError(f"the node-agent daemon is not running (no socket at {self.socket})", 3)
         name = code.name if code else "UNKNOWN"
@@ -59,4 +100,4 @@ class Client:
             raise self.translate(exc) from None
 
 
-__all__ = ["Client", "CliError", "socket_path", "pb"]
+__all__ = ["Client", "CliError", "Remote", "socket_path", "use_remote", "pb"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from node_agent import errors
 from node_agent.cli import checkpoints, containerd_config, doctor, transfer
-from node_agent.cli.client import ENV_SOCKET, CliError
+from node_agent.cli.client import ENV_SOCKET, CliError, use_remote
 from node_agent.config import load
 
 
@@ -19,6 +19,7 @@ def settings_parent() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML config file; flags override it")
     p.add_argument("--cri-endpoint", metavar="URL", help="CRI endpoint (default unix:///run/containerd/containerd.sock)")
     p.add_argument("--socket", metavar="PATH", help="local API socket (default /run/node-agent/agent.sock)")
+    p.add_argument("--cri-listen", metavar="URL", help="serve the CRI for the kubelet here (unix:///path; off by default)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store (default /var/lib/node-agent)")
     p.add_argument("--runtime-handler", metavar="NAME", help="restore runtime handler (default criu)")
     p.add_argument("--runc-root", metavar="DIR", help="runc root of CRI containers (default /run/containerd/runc/k8s.io)")
@@ -30,8 +31,20 @@ def settings_parent() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> Any:
-    keys = ("cri_endpoint", "socket", "store", "runtime_handler", "runc_root", "runc", "criu", "log_format", "log_level")
-    return load(args.config, {k: getattr(args, k, None) for k in keys})
+    keys = ("cri_endpoint", "cri_listen", "socket", "store", "runtime_handler", "runc_root", "runc", "criu", "log_format", "log_level")
+    return load(args.config, {k: getattr(args, k, None) for k in keys + _LISTENER_KEYS})
+
+
+_LISTENER_KEYS = ("listen", "tls_cert", "tls_key", "tls_client_ca", "health_listen", "metrics_listen")
+
+
+def add_listener_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", metavar="HOST:PORT", help="serve the API here with mutual TLS (off by default)")
+    p.add_argument("--tls-cert", metavar="FILE", help="the TLS listener's PEM certificate chain (reloaded on change)")
+    p.add_argument("--tls-key", metavar="FILE", help="the TLS listener's PEM private key (reloaded on change)")
+    p.add_argument("--tls-client-ca", metavar="FILE", help="PEM CA bundle that client certificates must chain to")
+    p.add_argument("--health-listen", metavar="[HOST:]PORT", help="plaintext grpc.health.v1 (loopback by default)")
+    p.add_argument("--metrics-listen", metavar="[HOST:]PORT", help="Prometheus metrics at /metrics (loopback by default)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -49,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--socket", metavar="PATH", help=f"the daemon's local socket (env {ENV_SOCKET})")
+    common.add_argument("--server", metavar="HOST:PORT", help="use the daemon's mutual-TLS listener instead")
+    common.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for --server")
+    common.add_argument("--key", metavar="FILE", help="client private key (PEM) for --server")
+    common.add_argument("--ca", metavar="FILE", help="CA (PEM) the server's certificate chains to, for --server")
     sp = settings_parent()
 
     p = sub.add_parser("serve", parents=[sp], help="run the daemon")
+    add_listener_flags(p)
     p.set_defaults(func=cmd_serve)
     checkpoints.add_parsers(sub, common)
     transfer.add_parsers(sub, common)
@@ -63,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        use_remote(getattr(args, "server", None), getattr(args, "cert", None), getattr(args, "key", None),
+                   getattr(args, "ca", None))
         return int(args.func(args))
     except CliError as exc:
         sys.stderr.write(f"node-agent: {exc}\n")

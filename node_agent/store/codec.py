@@ -43,8 +43,30 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+# Probing a few small windows first spares compressing whole chunks that
+# won't shrink (most process memory of a model server is such data). The
+# probe depends only on the chunk's content, so encoding stays deterministic.
+PROBE: Final = 4096
+PROBE_MIN_SIZE: Final = 64 << 10
+PROBE_RATIO: Final = 0.97
+
+
+def _looks_incompressible(data: bytes | bytearray | memoryview) -> bool:
+    n = len(data)
+    if n < PROBE_MIN_SIZE:
+        return False
+    view = memoryview(data)
+    cctx = _compressor()
+    for start in (0, n // 2 - PROBE // 2, n - PROBE):
+        if len(cctx.compress(view[start : start + PROBE])) < PROBE * PROBE_RATIO:
+            return False
+    return True
+
+
 def encode(data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, str]:
     """The stored form of a chunk and its encoding name."""
+    if _looks_incompressible(data):
+        return data, IDENTITY
     packed = _compressor().compress(data)
     if len(packed) < len(data):
         return packed, ZSTD

@@ -238,6 +238,9 @@ def write_entries(
                 parent, _, name = entry.path.rpartition("/")
                 fd = os.open(name, _NEW_FILE, FILE_MODE, dir_fd=tree.dir_fd(parent))
                 tree.created.append((entry.path, False))
+                if entry.size:
+                    # Size the file first: parallel pwrite()s then fill it in place.
+                    os.ftruncate(fd, entry.size)
                 futures: list[Future[None]] = []
                 open_files.append((entry, fd, futures))
                 for chunk in entry.chunks:

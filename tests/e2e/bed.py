@@ -45,6 +45,11 @@ class Bed:
     handler: str = "criu"
     agent: subprocess.Popen[bytes] | None = None
     agent_log: str = ""
+    cri_socket: str = ""  # the agent's CRI endpoint
+
+    @property
+    def cri_endpoint(self) -> str:
+        return "unix://" + self.cri_socket
 
     @property
     def endpoint(self) -> str:
@@ -68,8 +73,9 @@ class Bed:
 
     def start_agent(self) -> None:
         assert self.agent is None or self.agent.poll() is not None
-        if os.path.exists(self.socket):
-            os.unlink(self.socket)
+        for path in (self.socket, self.cri_socket):
+            if path and os.path.exists(path):
+                os.unlink(path)
         logf = open(self.agent_log, "ab")
         self.agent = subprocess.Popen(
             [NODE_AGENT, "serve", "--config", self.config], stdout=logf, stderr=logf, start_new_session=True
@@ -79,15 +85,17 @@ class Bed:
         while time.monotonic() < deadline:
             if self.agent.poll() is not None:
                 raise AssertionError(f"node-agent serve exited {self.agent.returncode}:\n{self.tail_log()}")
-            if os.path.exists(self.socket) and self._socket_answers():
+            if self._socket_answers(self.socket) and (not self.cri_socket or self._socket_answers(self.cri_socket)):
                 return
             time.sleep(0.05)
         raise AssertionError(f"node-agent serve did not come up:\n{self.tail_log()}")
 
-    def _socket_answers(self) -> bool:
+    def _socket_answers(self, path: str) -> bool:
+        if not os.path.exists(path):
+            return False
         s = socket.socket(socket.AF_UNIX)
         try:
-            s.connect(self.socket)
+            s.connect(path)
             return True
         except OSError:
             return False
@@ -129,13 +137,14 @@ def bring_up(name: str, workdir: Path) -> Bed:
     """A test bed named `name` with the agent's restore handler, and the agent's config."""
     store = str(workdir / "store")
     sock = str(workdir / "agent.sock")
+    cri_sock = str(workdir / "cri.sock")
     runc_root = f"/run/node-agent-testbed/{name}/runc/k8s.io"
     config = workdir / "agent.yaml"
     endpoint = f"unix:///run/node-agent-testbed/{name}/containerd.sock"
     config.write_text(
         "\n".join([
             f"cri-endpoint: {endpoint}", f"socket: {sock}", f"store: {store}", f"runc-root: {runc_root}",
-            "runtime-handler: criu", "log-level: debug",
+            "runtime-handler: criu", "log-level: debug", f"cri-listen: unix://{cri_sock}",
         ]) + "\n"
     )
     snippet = workdir / "handler.toml"
@@ -147,7 +156,8 @@ def bring_up(name: str, workdir: Path) -> Bed:
     assert info["runc_root"] == runc_root, info
     with config.open("a") as fh:
         fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n")
-    return Bed(name=name, info=info, store=store, socket=sock, config=str(config), agent_log=str(workdir / "agent.log"))
+    return Bed(name=name, info=info, store=store, socket=sock, config=str(config), agent_log=str(workdir / "agent.log"),
+               cri_socket=cri_sock)
 
 
 # ---- pods --------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_deadline_exceeded_resumes_pod_and_keeps_nothing(agent: Bed) -> None:
             assert freezer_state(server.pid) == "THAWED"
             n = max(ticks(server.log_path))
             wait_for(lambda: max(ticks(server.log_path)) > n, timeout=5, what="the pod to keep ticking")
-            wait_for(lambda: not _leftovers(agent), timeout=30, what="scratch files to go")
+            wait_for(lambda: not _leftovers(agent), timeout=30, what=f"scratch files to go: {_leftovers(agent)}")
             assert _ids(agent) == before
         wait_for(lambda: not _criu_procs(), timeout=30, what="CRIU to exit")
         time.sleep(0.3)
@@ -122,7 +122,7 @@ def test_refusals_change_nothing(agent: Bed) -> None:
         cp = agent.cli("checkpoints", "inspect", "sha256:" + "0" * 64, check=False)
         assert cp.returncode != 0 and "NOT_FOUND" in cp.stderr, cp.stderr
         assert _ids(agent) == before
-        assert not _leftovers(agent)
+        assert not _leftovers(agent), _leftovers(agent)
         d = container_detail(agent, gpu.containers["cuda"])
         assert freezer_state(d.pid) == "THAWED"
     finally:

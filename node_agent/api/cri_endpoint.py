@@ -1,0 +1,513 @@
+"""The CRI endpoint: `runtime.v1` served by the agent, in front of containerd.
+
+The kubelet (or any CRI client) talks to this endpoint instead of
+containerd. Everything is forwarded to containerd byte for byte
+(`cri_proxy`), except:
+
+- `CheckpointPod` and `RestorePod` (KEP-5823), implemented here: the
+  checkpoint is a self-contained OCI layout inside the caller's directory;
+- `RunPodSandbox`, `CreateContainer` and `RemovePodSandbox` of pods annotated
+  with `checkpoint.node-agent.io/restore-from`: the sandbox is made with the
+  restore handler and each container gets a restore plan, so the kubelet's
+  own StartContainer resumes the checkpointed processes ("restore through a
+  Pod"). Other pods' calls are forwarded untouched.
+
+See docs/cri-endpoint.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import stat
+import threading
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from node_agent import errors
+from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
+from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
+from node_agent.api.agent import abort_with
+from node_agent.api.cri_proxy import CriProxy, LocalHandler
+from node_agent.checkpointing import CheckpointRequest, Checkpointer, parse_all_options
+from node_agent.cri.client import to_json
+from node_agent.restoring import (
+    RESTORE_OPTIONS, RestoreRequest, Restorer, host_access_refusal, load_saved, undo_restore,
+)
+from node_agent.store import CheckpointRecord, CheckpointWriter, Store
+
+log = logging.getLogger(__name__)
+
+RT = "/runtime.v1.RuntimeService/"
+RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
+STATE_DIR = "cri-restores"
+S = TypeVar("S", bound=Store)
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def _timeout(context: grpc.aio.ServicerContext) -> float | None:
+    left = context.time_remaining()
+    return None if left is None else max(float(left), 0.0)
+
+
+# ---- caller-owned directories -------------------------------------------------
+
+
+def _caller_dir(what: str, path: str, agent_store: str) -> str:
+    """An absolute, existing, real directory outside the agent's store."""
+    if not path or not os.path.isabs(path):
+        raise errors.InvalidArgument(f"{what} must be an absolute path, got {path!r}")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as exc:
+        raise errors.FailedPrecondition(f"{what} {path} does not exist") from exc
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise errors.FailedPrecondition(f"{what} {path} is not a directory (symbolic links are refused)")
+    real, store = os.path.realpath(path), os.path.realpath(agent_store)
+    if real == store or real.startswith(store + os.sep) or store.startswith(real + os.sep):
+        raise errors.InvalidArgument(f"{what} {path} overlaps the agent's own store")
+    return path
+
+
+def _empty_dir(path: str) -> None:
+    """Remove everything inside `path`, leaving the directory itself."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        p = os.path.join(path, name)
+        try:
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", p, exc.strerror)
+
+
+def _open_store(path: str, kind: type[S]) -> S:
+    """A store rooted at a caller's directory, leaving the directory's own mode alone."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    try:
+        return kind(path)
+    finally:
+        os.chmod(path, mode)
+
+
+class _OutputStore(Store):
+    """The caller's output_path: its writers can be abandoned, and waited for.
+
+    A cancelled call stops awaiting the writer's thread, which may still be
+    storing chunks; `abandon` makes it fail at its next step and
+    `wait_idle` waits until it has let go, so that emptying the directory
+    afterwards is final.
+    """
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self._abandoned = threading.Event()
+        self._writers = 0
+        self._idle = threading.Condition()
+
+    def writer(self, *, progress: Any = None) -> CheckpointWriter:
+        def check(done: int, total: int) -> None:
+            if self._abandoned.is_set():
+                raise errors.Cancelled("the CheckpointPod call ended; its checkpoint is discarded")
+            if progress is not None:
+                progress(done, total)
+
+        if self._abandoned.is_set():
+            raise errors.Cancelled("the CheckpointPod call ended; its checkpoint is discarded")
+        with self._idle:
+            self._writers += 1
+        return _TrackedWriter(self, progress=check)
+
+    def writer_done(self) -> None:
+        with self._idle:
+            self._writers -= 1
+            self._idle.notify_all()
+
+    def abandon(self) -> None:
+        self._abandoned.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._writers <= 0, timeout)
+
+
+class _TrackedWriter(CheckpointWriter):
+    def __init__(self, store: _OutputStore, *, progress: Any) -> None:
+        super().__init__(store, progress=progress)
+        self._output = store
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._output.writer_done()
+
+
+# ---- restore through a Pod: durable per-sandbox state -----------------------------
+
+
+@dataclass
+class _PodRestore:
+    sandbox_id: str
+    checkpoint: str
+    pod: str  # namespace/name
+    options: tuple[str, ...]
+    pending: list[str]  # checkpointed containers not created yet
+    dir: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def staging(self) -> str:
+        return os.path.join(self.dir, "staging")
+
+    def save(self) -> None:
+        doc = {"sandbox_id": self.sandbox_id, "checkpoint": self.checkpoint, "pod": self.pod,
+               "options": list(self.options), "pending": self.pending}
+        path = os.path.join(self.dir, "state.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, d: str) -> _PodRestore:
+        with open(os.path.join(d, "state.json"), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return cls(str(doc["sandbox_id"]), str(doc["checkpoint"]), str(doc["pod"]),
+                   tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d)
+
+
+class CriEndpoint:
+    """The agent's own CRI methods; the rest goes through `proxy`."""
+
+    def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store, upstream: grpc.aio.Channel) -> None:
+        self.settings = checkpointer.settings
+        self.checkpointer = checkpointer
+        self.restorer = restorer
+        self.store = store
+        self.upstream = upstream
+        self.proxy = CriProxy(upstream)
+        self.proxy.local = self.handlers()
+        self._forward_run = self.proxy.unary_forwarder(RT + "RunPodSandbox")
+        self._forward_create = self.proxy.unary_forwarder(RT + "CreateContainer")
+        self._forward_remove = self.proxy.unary_forwarder(RT + "RemovePodSandbox")
+        self._images = cri_grpc.ImageServiceStub(upstream)  # type: ignore[no-untyped-call]
+        self.state_root = os.path.join(self.settings.store, STATE_DIR)
+        self.restores: dict[str, _PodRestore] = {}
+        self._load_state()
+
+    def handlers(self) -> dict[str, LocalHandler]:
+        return {
+            RT + "CheckpointPod": self.checkpoint_pod,
+            RT + "RestorePod": self.restore_pod,
+            RT + "RunPodSandbox": self.run_pod_sandbox,
+            RT + "CreateContainer": self.create_container,
+            RT + "RemovePodSandbox": self.remove_pod_sandbox,
+        }
+
+    # ---- CheckpointPod ------------------------------------------------------
+
+    async def checkpoint_pod(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            req = cri.CheckpointPodRequest.FromString(raw)
+            await self._checkpoint_pod(req, _timeout(context))
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await abort_with(context, exc)
+        return cri.CheckpointPodResponse().SerializeToString()
+
+    async def _checkpoint_pod(self, req: Any, timeout: float | None) -> None:
+        # Everything is checked before the first byte is written.
+        parse_all_options(dict(req.options))
+        if not req.pod_sandbox_id:
+            raise errors.InvalidArgument("CheckpointPod: pod_sandbox_id is empty")
+        out = _caller_dir("output_path", req.output_path, self.settings.store)
+        if os.listdir(out):
+            raise errors.FailedPrecondition(f"output_path {out} is not empty")
+        ids = list(req.container_ids)
+        if not ids:
+            raise errors.InvalidArgument("CheckpointPod: container_ids is empty")
+        if len(set(ids)) != len(ids):
+            raise errors.InvalidArgument("CheckpointPod: container_ids has duplicates")
+        cri_client = self.checkpointer.cri
+        pods = [p for p in await cri_client.list_pods() if p.id == req.pod_sandbox_id]
+        if not pods:
+            raise errors.NotFound(f"pod sandbox {req.pod_sandbox_id} not found")
+        containers = {c.id: c for c in await cri_client.list_containers(req.pod_sandbox_id)}
+        for cid in ids:
+            c = containers.get(cid)
+            if c is None or c.pod_id != req.pod_sandbox_id:
+                raise errors.NotFound(f"container {cid} is not in pod sandbox {req.pod_sandbox_id}")
+            if not c.running:
+                raise errors.FailedPrecondition(f"container {c.name} ({cid[:13]}) is not running")
+        target: _OutputStore | None = None
+        try:
+            target = await asyncio.to_thread(_open_store, out, _OutputStore)
+            record = await self.checkpointer.checkpoint(
+                CheckpointRequest(pod=req.pod_sandbox_id, containers=ids, options=dict(req.options), store=target),
+                timeout=timeout,
+            )
+        except BaseException:
+            if target is not None:
+                target.abandon()
+                try:
+                    await asyncio.shield(asyncio.to_thread(target.wait_idle, self.settings.timeouts.cleanup))
+                finally:
+                    _empty_dir(out)
+            else:
+                _empty_dir(out)
+            raise
+        log.info("CheckpointPod of %s wrote checkpoint %s into %s", pods[0].ref, record.id, out,
+                 extra={"pod": pods[0].ref, "checkpoint": record.id, "phase": "publish"})
+
+    # ---- RestorePod ---------------------------------------------------------
+
+    async def restore_pod(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            req = cri.RestorePodRequest.FromString(raw)
+            resp = await self._restore_pod(req, _timeout(context))
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await abort_with(context, exc)
+            raise  # not reached
+        return bytes(resp.SerializeToString())
+
+    async def _restore_pod(self, req: Any, timeout: float | None) -> Any:
+        for key in req.options:
+            if key not in RESTORE_OPTIONS:
+                raise errors.InvalidArgument(
+                    f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
+                )
+        if not req.HasField("config"):
+            raise errors.InvalidArgument("RestorePod: config (the new PodSandboxConfig) is missing")
+        handler = req.runtime_handler or self.settings.runtime_handler
+        if handler != self.settings.runtime_handler:
+            raise errors.InvalidArgument(
+                f"RestorePod: runtime handler {handler!r} cannot restore; use {self.settings.runtime_handler!r}"
+            )
+        path = _caller_dir("checkpoint_path", req.checkpoint_path, self.settings.store)
+        if not os.path.isfile(os.path.join(path, "oci-layout")):
+            raise errors.FailedPrecondition(f"checkpoint_path {path} holds no checkpoint written by CheckpointPod")
+        source = await asyncio.to_thread(_open_store, path, Store)
+        records = await asyncio.to_thread(source.list)
+        if len(records) != 1:
+            raise errors.FailedPrecondition(
+                f"checkpoint_path {path} holds {len(records)} readable checkpoints; CheckpointPod writes exactly one"
+            )
+        record = records[0]
+        saved = await asyncio.to_thread(load_saved, source, record)
+        want = sorted(c[0] for c in saved.containers)
+        configs: dict[str, dict[str, Any]] = {}
+        for cc in req.container_configs:
+            name = cc.metadata.name
+            if name in configs:
+                raise errors.InvalidArgument(f"RestorePod: container_configs names {name!r} twice")
+            configs[name] = to_json(cc)
+        if sorted(configs) != want:
+            raise errors.InvalidArgument(
+                f"RestorePod: container_configs name {sorted(configs)}, the checkpoint holds {want}"
+            )
+        for cname, cfg, _ in saved.containers:
+            await self._same_image(cname, str((cfg["config"].get("image") or {}).get("image") or ""),
+                                   str((configs[cname].get("image") or {}).get("image") or ""))
+        restored = await self.restorer.restore(
+            RestoreRequest(
+                checkpoint_id=record.id, options=dict(req.options), runtime_handler=handler, source=source,
+                pod_config=to_json(req.config), container_configs=configs,
+            ),
+            timeout=timeout,
+        )
+        return cri.RestorePodResponse(
+            pod_sandbox_id=restored.pod_sandbox_id,
+            restored_containers=[cri.RestoredContainer(name=n, container_id=c) for n, c in restored.containers],
+        )
+
+    async def _same_image(self, cname: str, saved: str, given: str) -> None:
+        """The new config's image must be the checkpointed one (the rootfs diff applies to it)."""
+        if not given:
+            raise errors.InvalidArgument(f"RestorePod: container {cname} names no image")
+        if given == saved:
+            return
+        ids = []
+        for image in (saved, given):
+            try:
+                r = await self._images.ImageStatus(
+                    cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), timeout=self.settings.timeouts.cri_call
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise errors.Unavailable(f"ImageStatus {image}: {exc.details()}") from exc
+            ids.append(r.image.id)
+        if not ids[1]:
+            raise errors.FailedPrecondition(f"RestorePod: image {given} (container {cname}) is not present on this node")
+        if ids[0] != ids[1]:
+            raise errors.FailedPrecondition(
+                f"RestorePod: container {cname} was checkpointed from image {saved}, not {given}"
+            )
+
+    # ---- restore through a Pod ----------------------------------------------
+
+    def _load_state(self) -> None:
+        os.makedirs(self.state_root, mode=0o700, exist_ok=True)
+        for name in os.listdir(self.state_root):
+            d = os.path.join(self.state_root, name)
+            try:
+                st = _PodRestore.load(d)
+            except (OSError, ValueError, KeyError, TypeError):
+                shutil.rmtree(d, ignore_errors=True)  # a sandbox that never finished being made
+                continue
+            self.restores[st.sandbox_id] = st
+
+    async def prune(self) -> None:
+        """Forget restores whose sandbox is gone (removed while the agent was down, or not through it)."""
+        if not self.restores:
+            return
+        try:
+            alive = {p.id for p in await self.checkpointer.cri.list_pods()}
+        except errors.AgentError as exc:
+            log.warning("cannot list sandboxes to prune pending restores: %s", exc)
+            return
+        for pod_id in [i for i in self.restores if i not in alive]:
+            shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
+
+    async def run_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = cri.RunPodSandboxRequest.FromString(raw)
+        ref = req.config.annotations.get(RESTORE_FROM, "")
+        if not ref:
+            return await self._forward_run(raw, context)
+        meta = req.config.metadata
+        where = f"{meta.namespace}/{meta.name}"
+        tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
+        try:
+            record = await self._resolve_checkpoint(ref.strip(), where)
+            saved = await asyncio.to_thread(load_saved, self.store, record)
+            host_access_refusal(record.id, saved)
+            await self.restorer._preflight(record, saved)
+            os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
+            await asyncio.to_thread(self.restorer._unpack, record, os.path.join(tmp, "staging"))
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            shutil.rmtree(tmp, ignore_errors=True)
+            await abort_with(context, _for_pod(exc, where, ref))
+            raise  # not reached
+        # The kubelet's request, byte for byte, with the restore handler appended
+        # (a later occurrence of a scalar field wins when protobuf parses).
+        override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
+        try:
+            resp_raw = await self._forward_run(raw + override, context)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
+        st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
+                         os.path.join(self.state_root, pod_id))
+        try:
+            await self.restorer._restore_shm(os.path.join(tmp, "staging"), pod_id, where)
+            os.replace(tmp, st.dir)
+            st.save()
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(st.dir, ignore_errors=True)
+            await asyncio.shield(undo_restore(self.checkpointer.cri, {"sandboxes": [pod_id]}, self.settings.timeouts.cleanup))
+            await abort_with(context, _for_pod(exc, where, ref))
+        self.restores[pod_id] = st
+        log.info("pod %s: sandbox %s made to restore checkpoint %s", where, pod_id[:13], record.id,
+                 extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
+        return resp_raw
+
+    async def _resolve_checkpoint(self, ref: str, where: str) -> CheckpointRecord:
+        if _DIGEST_RE.match(ref):
+            try:
+                return await asyncio.to_thread(self.store.get, ref)
+            except errors.NotFound as exc:
+                raise errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store") from exc
+        from node_agent.registry import Credentials, pull
+
+        report = await asyncio.to_thread(pull, self.store, ref, Credentials(), timeout=self.settings.timeouts.cri_call)
+        return await asyncio.to_thread(self.store.get, report.checkpoint_id)
+
+    async def create_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = cri.CreateContainerRequest.FromString(raw)
+        st = self.restores.get(req.pod_sandbox_id)
+        name = req.config.metadata.name
+        if st is None or name not in st.pending:
+            return await self._forward_create(raw, context)
+        async with st.lock:
+            if name not in st.pending:
+                return await self._forward_create(raw, context)
+            resp_raw = await self._forward_create(raw, context)
+            cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
+            plan_dir = os.path.join(self.settings.plans_dir, cid)
+            try:
+                record = await asyncio.to_thread(self.store.get, st.checkpoint)
+                await asyncio.to_thread(
+                    self.restorer._write_plan, record, st.staging, name, plan_dir, st.pod, st.options
+                )
+                st.pending.remove(name)
+                st.save()
+                if not st.pending:
+                    shutil.rmtree(st.staging, ignore_errors=True)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+                shutil.rmtree(plan_dir, ignore_errors=True)
+                try:
+                    await self.checkpointer.cri.remove_container(cid)
+                except errors.AgentError as rm_exc:
+                    log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
+                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+        log.info("pod %s: container %s (%s) will restore from checkpoint %s", st.pod, name, cid[:13], st.checkpoint,
+                 extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
+        return resp_raw
+
+    async def remove_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        resp = await self._forward_remove(raw, context)
+        st = self.restores.pop(cri.RemovePodSandboxRequest.FromString(raw).pod_sandbox_id, None)
+        if st is not None:
+            shutil.rmtree(st.dir, ignore_errors=True)
+        return resp
+
+
+def _for_pod(exc: BaseException, where: str, ref: str) -> BaseException:
+    """An error that says which pod and checkpoint, for the pod's events."""
+    if isinstance(exc, errors.AgentError):
+        return type(exc)(f"restore of pod {where} from {ref}: {exc}")
+    return exc
+
+
+class CriListener:
+    """The CRI endpoint's own gRPC server on a Unix socket (mode 0660, root)."""
+
+    # A proxy must not cap what the kubelet and containerd send each other.
+    _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    def __init__(self, listen: str, checkpointer: Checkpointer, restorer: Restorer, store: Store) -> None:
+        from node_agent.cri.client import grpc_target
+
+        s = checkpointer.settings
+        self.path = listen[len("unix://"):]
+        self.channel = grpc.aio.insecure_channel(grpc_target(s.cri_endpoint), options=self._OPTIONS)
+        self.endpoint = CriEndpoint(checkpointer, restorer, store, self.channel)
+        self.server = grpc.aio.server(options=self._OPTIONS)
+        self.server.add_generic_rpc_handlers((self.endpoint.proxy,))
+
+    async def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.server.add_insecure_port("unix://" + self.path)
+        await self.server.start()
+        os.chmod(self.path, 0o660)
+        await self.endpoint.prune()
+        log.info("serving the CRI on unix://%s, forwarding to %s", self.path, self.endpoint.settings.cri_endpoint)
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace=grace)
+        await self.channel.close()

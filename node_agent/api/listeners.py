@@ -1,0 +1,104 @@
+"""The agent API's listeners: the local socket, mutual TLS, plaintext health, metrics.
+
+`Listeners.bind` prepares the main server (the one the local socket
+reaches) before it starts; `start` opens every listener the settings name;
+`stop` shuts them down in stages: no new connections, then calls in flight
+get `grace` seconds, then what is left is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import grpc
+
+from node_agent import authz, errors
+from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
+from node_agent.api.agent import AgentServicer
+from node_agent.api.health import add_operability, serve_health, set_not_serving
+from node_agent.api.security import AuthorizedServicer, CertificateFiles, LocalSocketGate, group_id, private_dir, tls_port
+from node_agent.config import Settings, host_port
+from node_agent.metrics import Metrics, serve_metrics
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+
+
+class Listeners:
+    def __init__(self, settings: Settings, servicer: AgentServicer, metrics: Metrics) -> None:
+        self.settings = settings
+        self.servicer = servicer
+        self.metrics = metrics
+        self.directory = private_dir(settings.store)
+        self.backend = os.path.join(self.directory, "api.sock")
+        self.gate = LocalSocketGate(settings.socket, self.backend, self.directory, group_id(settings.socket_group))
+        self.tls: grpc.aio.Server | None = None
+        self.tls_port = 0
+        self.health: grpc.aio.Server | None = None
+        self.metrics_server: asyncio.Server | None = None
+        self._health_servicers: list[object] = []
+        self._server: grpc.aio.Server | None = None
+        # Bad certificate files fail here, before anything listens.
+        self.files = CertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca) if settings.listen else None
+
+    async def bind(self, server: grpc.aio.Server) -> None:
+        """Give the main server health, reflection and its private socket (before it starts)."""
+        self._server = server
+        self._health_servicers.append(await add_operability(server))
+        if os.path.exists(self.backend):
+            os.unlink(self.backend)
+        server.add_insecure_port("unix://" + self.backend)
+
+    async def start(self) -> None:
+        """Open every listener; if one cannot be opened, close what was (the bound server too) and raise."""
+        try:
+            await self._start()
+        except BaseException:
+            if self._server is not None:
+                await asyncio.shield(self.stop(self._server, grace=0))
+            raise
+
+    async def _start(self) -> None:
+        s = self.settings
+        await self.gate.start()
+        log.info("serving on unix://%s", s.socket)
+        if self.files is not None:
+            self.tls = grpc.aio.server(options=SERVER_OPTIONS)
+            pb_grpc.add_NodeAgentServicer_to_server(  # type: ignore[no-untyped-call]
+                AuthorizedServicer(self.servicer, authz.Policy(s.authorization)), self.tls
+            )
+            self._health_servicers.append(await add_operability(self.tls))
+            self.tls_port = tls_port(self.tls, s.listen, self.files)
+            await self.tls.start()
+            log.info("serving on %s with mutual TLS (%d authorization rules)", s.listen, len(s.authorization))
+        if s.health_listen:
+            host, port = host_port(s.health_listen, default_host="127.0.0.1", what="health-listen")
+            try:
+                self.health, servicer = await serve_health(host, port)
+            except (OSError, RuntimeError) as exc:
+                raise errors.FailedPrecondition(f"cannot listen on {s.health_listen} for health: {exc}") from exc
+            self._health_servicers.append(servicer)
+        if s.metrics_listen:
+            host, port = host_port(s.metrics_listen, default_host="127.0.0.1", what="metrics-listen")
+            try:
+                self.metrics_server = await serve_metrics(self.metrics, host, port)
+            except OSError as exc:
+                raise errors.FailedPrecondition(f"cannot listen on {s.metrics_listen} for metrics: {exc.strerror}") from exc
+
+    async def stop(self, server: grpc.aio.Server, grace: float) -> None:
+        """Stop `server` and every listener; calls in flight get `grace` seconds."""
+        for servicer in self._health_servicers:
+            await set_not_serving(servicer)
+        self.gate.stop_accepting()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        stops = [server.stop(grace)]
+        if self.tls is not None:
+            stops.append(self.tls.stop(grace))
+        await asyncio.gather(*stops)
+        await self.gate.close()
+        if self.health is not None:
+            await self.health.stop(None)
