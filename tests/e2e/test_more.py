@@ -130,3 +130,72 @@ def test_pods_not_being_restored_run_normally_under_the_handler(agent: Bed) -> N
         assert not glob.glob(os.path.join(agent.store, "plans", "*"))
     finally:
         remove_pod(agent, pod.id)
+
+
+def test_pre_dump_is_used_where_the_kernel_tracks_memory_and_falls_back_cleanly_elsewhere(agent: Bed) -> None:
+    import asyncio
+
+    from criu_bridge.rpc import CriuClient
+
+    tracks = asyncio.run(CriuClient("criu").features()).get("mem_track", False)
+    imgs = agent.info["images"]
+    pod = make_pod(agent, "e2e-predump", [container_config("c", imgs["busybox"], ["sh", "-c", "while :; do sleep 1; done"])])
+    try:
+        info = json.loads(agent.cli("checkpoint", pod.id, "-o", "json").stdout)
+        assert info["pre_dump"] is tracks
+        forced = agent.cli("checkpoint", pod.id, "--option", "pre-dump=true", "-o", "json", check=False)
+        if tracks:
+            assert forced.returncode == 0 and json.loads(forced.stdout)["pre_dump"] is True
+            agent.cli("checkpoints", "rm", json.loads(forced.stdout)["id"])
+        else:
+            assert forced.returncode != 0 and "FAILED_PRECONDITION" in forced.stderr, forced.stderr
+            assert "dirty memory" in forced.stderr
+        # Either way the checkpoint restores.
+        out = agent.cli("restore", info["id"], "--namespace", "e2e-predump-dst", "--start").stdout.split()
+        try:
+            assert container_detail(agent, out[2]).container.state == "CONTAINER_RUNNING"
+        finally:
+            remove_pod(agent, out[0])
+        agent.cli("checkpoints", "rm", info["id"])
+    finally:
+        remove_pod(agent, pod.id)
+
+
+def test_the_cli_shows_streamed_progress_on_a_terminal(agent: Bed) -> None:
+    import pty
+    import select
+
+    from tests.e2e.bed import NODE_AGENT
+
+    pod = make_pod(agent, "e2e-progress", [container_config("c", agent.info["images"]["busybox"],
+                                                             ["sh", "-c", "while :; do sleep 1; done"])])
+    try:
+        master, slave = pty.openpty()
+        env = dict(os.environ, NODE_AGENT_SOCKET=agent.socket)
+        proc = subprocess.Popen([NODE_AGENT, "checkpoint", pod.id], env=env, stdout=subprocess.PIPE,
+                                stderr=slave, text=True)
+        os.close(slave)
+        seen = b""
+        while True:
+            ready, _, _ = select.select([master], [], [], 60)
+            if not ready:
+                break
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out, _ = proc.communicate(timeout=60)
+        os.close(master)
+        assert proc.returncode == 0
+        text = seen.decode(errors="replace")
+        for phase in ("resolve", "freeze", "dump", "ingest"):
+            assert phase in text, text
+        assert "frozen for" in text
+        ckpt = out.strip().splitlines()[-1]
+        assert ckpt.startswith("sha256:")
+        agent.cli("checkpoints", "rm", ckpt)
+    finally:
+        remove_pod(agent, pod.id)
