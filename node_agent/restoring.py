@@ -259,7 +259,7 @@ class Restorer:
             host_access_refusal(record.id, saved)
         phase[0] = "preflight"
         progress(Progress("preflight", message=where))
-        await self._preflight(record, saved, req.source)
+        await self.preflight(record, saved, req.source)
 
         phase[0] = "sandbox"
         entry.data.update({"checkpoint": record.id, "pod": where})
@@ -274,7 +274,7 @@ class Restorer:
         os.makedirs(staging, mode=0o700)
         try:
             unpack = asyncio.create_task(
-                asyncio.to_thread(self._unpack, record, staging, req.source), name=f"unpack {record.id[:19]}"
+                asyncio.to_thread(self.unpack, record, staging, req.source), name=f"unpack {record.id[:19]}"
             )
             try:
                 pod_id = await self.cri.run_pod(pod_config, handler)
@@ -286,13 +286,13 @@ class Restorer:
             phase[0] = "verify"
             progress(Progress("verify", message=record.id))
             await unpack
-            await self._restore_shm(staging, pod_id, where)
+            await self.restore_shm(staging, pod_id, where)
             return await self._containers(req, record, saved, staging, pod_id, pod_config, where,
                                           namespace, name, uid, entry, phase, progress)
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
-    def _unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None) -> None:
+    def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None) -> None:
         store = source or self.store
         try:
             store.materialize(record.id, staging, prefix="containers")
@@ -319,7 +319,7 @@ class Restorer:
             entry.data["plans"].append(plan_dir)
             self.journal.write(entry)
             await asyncio.to_thread(
-                self._write_plan, record, staging, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
+                self.write_plan, record, staging, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
             )
             created.append((cname, cid))
             progress(Progress("create", i + 1, len(saved.containers), message=cname))
@@ -340,7 +340,7 @@ class Restorer:
         entry.data = {}
         return RestoredPod(pod_id, namespace, name, uid, record.id, tuple(created), started)
 
-    async def _preflight(self, record: CheckpointRecord, saved: _Saved, source: Store | None = None) -> None:
+    async def preflight(self, record: CheckpointRecord, saved: _Saved, source: Store | None = None) -> None:
         for cname, cfg, _ in saved.containers:
             image = str((cfg["config"].get("image") or {}).get("image") or cfg.get("rootfsImageName") or "")
             if not image:
@@ -371,7 +371,7 @@ class Restorer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    async def _restore_shm(self, staging: str, pod_id: str, where: str) -> None:
+    async def restore_shm(self, staging: str, pod_id: str, where: str) -> None:
         tar = os.path.join(staging, "pod", "devshm.tar")
         if not os.path.exists(tar):
             return
@@ -384,7 +384,7 @@ class Restorer:
         except BridgeError as exc:
             raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
-    def _write_plan(
+    def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...]
     ) -> None:
         """Move a container's verified files from staging into its plan dir (renames only)."""

@@ -392,9 +392,9 @@ class CriEndpoint:
             record = await self._resolve_checkpoint(ref.strip(), where)
             saved = await asyncio.to_thread(load_saved, self.store, record)
             host_access_refusal(record.id, saved)
-            await self.restorer._preflight(record, saved)
+            await self.restorer.preflight(record, saved)
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
-            await asyncio.to_thread(self.restorer._unpack, record, os.path.join(tmp, "staging"))
+            await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             shutil.rmtree(tmp, ignore_errors=True)
             await abort_with(context, _for_pod(exc, where, ref))
@@ -411,7 +411,7 @@ class CriEndpoint:
         st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
                          os.path.join(self.state_root, pod_id))
         try:
-            await self.restorer._restore_shm(os.path.join(tmp, "staging"), pod_id, where)
+            await self.restorer.restore_shm(os.path.join(tmp, "staging"), pod_id, where)
             os.replace(tmp, st.dir)
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
@@ -450,7 +450,7 @@ class CriEndpoint:
             try:
                 record = await asyncio.to_thread(self.store.get, st.checkpoint)
                 await asyncio.to_thread(
-                    self.restorer._write_plan, record, st.staging, name, plan_dir, st.pod, st.options
+                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options
                 )
                 st.pending.remove(name)
                 st.save()

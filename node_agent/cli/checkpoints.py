@@ -45,13 +45,13 @@ class _Progress:
             sys.stderr.flush()
 
 
-def cmd_checkpoint(args: argparse.Namespace) -> int:
-    req = pb.CheckpointRequest(pod=args.pod, containers=args.container or [], options=_parse_options(args.option or []))
+def stream_result(args: argparse.Namespace, method: str, request: Any) -> Any:
+    """Call a streaming method, showing its progress; the final result event."""
     prog = _Progress()
     result = None
     with Client(socket_path(args.socket)) as c:
         try:
-            for ev in c.stream("Checkpoint", req, timeout=args.timeout):
+            for ev in c.stream(method, request, timeout=args.timeout):
                 if ev.HasField("progress"):
                     prog.show(ev.progress)
                 elif ev.HasField("result"):
@@ -59,7 +59,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         finally:
             prog.end()
     if result is None:
-        raise CliError("the daemon ended the checkpoint without a result")
+        raise CliError(f"the daemon ended the {method.lower()} without a result")
+    return result
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    req = pb.CheckpointRequest(pod=args.pod, containers=args.container or [], options=_parse_options(args.option or []))
+    result = stream_result(args, "Checkpoint", req)
     if args.output == "json":
         output.emit(output.checkpoint_dict(result), "json")
     else:
@@ -74,19 +80,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         checkpoint_id=args.checkpoint, namespace=args.namespace or "", name=args.name or "",
         start=args.start, options=_parse_options(args.option or []), runtime_handler=args.runtime_handler or "",
     )
-    prog = _Progress()
-    result = None
-    with Client(socket_path(args.socket)) as c:
-        try:
-            for ev in c.stream("Restore", req, timeout=args.timeout):
-                if ev.HasField("progress"):
-                    prog.show(ev.progress)
-                elif ev.HasField("result"):
-                    result = ev.result
-        finally:
-            prog.end()
-    if result is None:
-        raise CliError("the daemon ended the restore without a result")
+    result = stream_result(args, "Restore", req)
     if args.output == "json":
         output.emit(output.as_dict(result), "json")
     else:

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from node_agent.cli import output
-from node_agent.cli.checkpoints import _Progress
+from node_agent.cli.checkpoints import stream_result
 from node_agent.cli.client import Client, CliError, pb, socket_path
 
 ENV_USER = "NODE_AGENT_REGISTRY_USERNAME"
@@ -30,25 +30,8 @@ def _credentials(args: argparse.Namespace) -> Any:
     )
 
 
-def _run_transfer(args: argparse.Namespace, method: str, request: Any) -> Any:
-    prog = _Progress()
-    result = None
-    with Client(socket_path(args.socket)) as c:
-        try:
-            for ev in c.stream(method, request, timeout=args.timeout):
-                if ev.HasField("progress"):
-                    prog.show(ev.progress)
-                elif ev.HasField("result"):
-                    result = ev.result
-        finally:
-            prog.end()
-    if result is None:
-        raise CliError(f"the daemon ended the {method.lower()} without a result")
-    return result
-
-
 def cmd_push(args: argparse.Namespace) -> int:
-    r = _run_transfer(args, "Push", pb.PushRequest(checkpoint_id=args.id, reference=args.reference, credentials=_credentials(args)))
+    r = stream_result(args, "Push", pb.PushRequest(checkpoint_id=args.id, reference=args.reference, credentials=_credentials(args)))
     if args.output == "json":
         output.emit(output.as_dict(r), "json")
     else:
@@ -60,7 +43,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    r = _run_transfer(args, "Pull", pb.PullRequest(reference=args.reference, credentials=_credentials(args)))
+    r = stream_result(args, "Pull", pb.PullRequest(reference=args.reference, credentials=_credentials(args)))
     if args.output == "json":
         output.emit(output.as_dict(r), "json")
     else:
