@@ -133,8 +133,9 @@ def testbed(*args: str, timeout: float = 600) -> str:
     return cp.stdout
 
 
-def bring_up(name: str, workdir: Path) -> Bed:
-    """A test bed named `name` with the agent's restore handler, and the agent's config."""
+def bring_up(name: str, workdir: Path, containerd: str | None = None) -> Bed:
+    """A test bed named `name` with the agent's restore handler, and the agent's config.
+    `containerd`: the containerd binary the bed runs (default: the system's)."""
     store = str(workdir / "store")
     sock = str(workdir / "agent.sock")
     cri_sock = str(workdir / "cri.sock")
@@ -152,7 +153,8 @@ def bring_up(name: str, workdir: Path) -> Bed:
     if cp.returncode != 0:
         raise AssertionError(f"containerd-config failed: {cp.stderr}")
     snippet.write_text(cp.stdout)
-    info = json.loads(testbed("up", name, "--handler-snippet", str(snippet)))
+    extra = ["--containerd", containerd] if containerd else []
+    info = json.loads(testbed("up", name, "--handler-snippet", str(snippet), *extra))
     assert info["runc_root"] == runc_root, info
     with config.open("a") as fh:
         fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n")

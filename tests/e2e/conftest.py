@@ -12,8 +12,11 @@ from typing import Iterator
 import pytest
 
 from tests.e2e.bed import Bed, bring_up, testbed
+from tests.e2e.tap import EventTap
 
 BED_NAME = os.environ.get("NODE_AGENT_E2E_BED", "na-e2e")
+# containerd 1.7 from its private prefix (scripts/install-host).
+CONTAINERD17 = os.environ.get("NODE_AGENT_E2E_CONTAINERD17", "/opt/node-agent/containerd-1.7/bin/containerd")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -57,6 +60,32 @@ def node2(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         yield b
     finally:
         b.stop_agent()
+        if os.environ.get("NODE_AGENT_E2E_KEEP") != "1":
+            testbed("down", name)
+
+
+@pytest.fixture(scope="session")
+def bed17(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Bed, EventTap]]:
+    """A bed running containerd 1.7 (which streams container events), with an agent and its CRI endpoint.
+    The agent reaches containerd through an EventTap, which keeps what containerd streamed to it."""
+    assert os.geteuid() == 0, "the end-to-end tests need root (they run a private containerd)"
+    assert os.access(CONTAINERD17, os.X_OK), f"{CONTAINERD17} missing: run scripts/install-host"
+    name = BED_NAME + "-17"
+    workdir = tmp_path_factory.mktemp("bed17")
+    b = bring_up(name, workdir, containerd=CONTAINERD17)
+    try:
+        assert b.info["containerd_version"].startswith("1.7"), b.info
+        with EventTap(str(workdir / "tap.sock"), b.info["containerd_socket"]) as tap:
+            config = Path(b.config)
+            text = config.read_text()
+            assert f"cri-endpoint: {b.endpoint}\n" in text, text
+            config.write_text(text.replace(f"cri-endpoint: {b.endpoint}\n", f"cri-endpoint: {tap.endpoint}\n"))
+            try:
+                b.start_agent()
+                yield b, tap
+            finally:
+                b.stop_agent()
+    finally:
         if os.environ.get("NODE_AGENT_E2E_KEEP") != "1":
             testbed("down", name)
 

@@ -20,6 +20,7 @@ from tests.e2e.bed import (
     SHELL_COUNTER, Bed, PodHandle, container_config, container_detail, freezer_state, pod_config, remove_pod, run,
     ticks, wait_for,
 )
+from tests.e2e.tap import EventTap
 
 T = TypeVar("T")
 RT = "/runtime.v1.RuntimeService/"
@@ -393,3 +394,87 @@ def test_restore_from_a_missing_checkpoint_fails_the_sandbox_clearly(agent: Bed)
 
     via_agent(agent, go)
     assert uuid.UUID(pcfg["metadata"]["uid"])
+
+
+
+def test_container_events_stream_through_byte_for_byte(bed17: tuple[Bed, EventTap]) -> None:
+    """containerd 1.7 streams container events; the agent's endpoint relays the same messages, byte for byte.
+
+    containerd 1.7 gives each event to one of the streams open at the time (not to each), so the
+    stream against containerd is the one the agent opens, seen through the recording EventTap between
+    the two: what containerd sent on it, and what the client got through the agent, must be equal.
+    """
+    bed, tap = bed17
+    assert bed.info["containerd_version"].startswith("1.7"), bed.info
+    method = RT + "GetContainerEvents"
+
+    async def go() -> tuple[list[bytes], list[bytes], bytes, bytes]:
+        async with grpc.aio.insecure_channel(grpc_target(bed.cri_endpoint)) as ach:
+            before = tap.stream_count()
+            # Raw bytes: nothing is decoded or re-encoded on this side either.
+            stream = ach.unary_stream(method, request_serializer=None, response_deserializer=None)(b"", timeout=180)
+            got: list[bytes] = []
+
+            async def drain() -> grpc.aio.AioRpcError | None:
+                try:
+                    async for m in stream:
+                        got.append(m)
+                except asyncio.CancelledError:  # cancelled from this side: the end of the test
+                    pass
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        return exc
+                return None
+
+            task = asyncio.create_task(drain())
+            for _ in range(200):
+                if tap.stream_count() > before or task.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not task.done(), f"the event stream through the agent ended at once: {task.result()!r}"
+            assert tap.stream_count() == before + 1, "the agent opened no event stream against containerd"
+
+            async def until(want: Callable[[], bool], what: str) -> None:
+                for _ in range(400):
+                    if want():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError(f"timed out waiting for {what}; got {brief(got)}")
+
+            pod = await asyncio.to_thread(pod_via_agent, bed, "e2e-cri-events17", [shell(bed)])
+            removed = False
+            try:
+                cid = pod.containers["shell"].encode()
+                await until(lambda: sum(_fields(m).get(1) == cid for m in got) >= 2,
+                            "created and started events of the container")
+                await asyncio.to_thread(remove_pod, bed, pod.id)
+                removed = True
+                await until(lambda: any(_fields(m).get(1) == cid and _fields(m).get(2) == 3 for m in got),
+                            "the container's deleted event")
+                await asyncio.sleep(1.0)  # anything late arrives too
+            finally:
+                stream.cancel()
+                error = await task
+                if not removed:
+                    await asyncio.to_thread(remove_pod, bed, pod.id)
+            assert error is None, error
+            return tap.stream(before), got, cid, pod.id.encode()
+
+    direct, relayed, cid, pod_id = asyncio.run(go())
+    assert direct, "containerd 1.7 streamed no container event"
+    assert relayed == direct, f"the agent relayed {brief(relayed)}, containerd streamed {brief(direct)}"
+    # ContainerEventResponse: container_id = 1, container_event_type = 2, created_at = 3.
+    fields = [_fields(m) for m in direct]
+    assert all(isinstance(f.get(1), bytes) and f[1] for f in fields), fields
+    assert {cid, pod_id} <= {f[1] for f in fields}, brief(direct)
+    mine = [f.get(2, 0) for f in fields if f[1] == cid]
+    # CONTAINER_CREATED_EVENT (0), CONTAINER_STARTED_EVENT (1), ..., CONTAINER_DELETED_EVENT (3)
+    assert mine[:2] == [0, 1] and mine[-1] == 3, mine
+    stamps = [f.get(3, 0) for f in fields]
+    assert stamps == sorted(stamps) and stamps[0] > 0, stamps
+
+
+def brief(messages: list[bytes]) -> list[tuple[str, int]]:
+    """ContainerEventResponses as (container id prefix, event type)."""
+    return [(_fields(m).get(1, b"")[:12].decode(errors="replace"), _fields(m).get(2, 0)) for m in messages]
