@@ -308,6 +308,7 @@ class Checkpointer:
             "containers": [t.id for t in targets],
             "helpers": [],
         }
+        thawing: list[asyncio.Future[None]] = []
         self.journal.write(entry)
         try:
             os.makedirs(work, mode=0o700)
@@ -324,7 +325,9 @@ class Checkpointer:
                 await self._pre_dump(pod, targets, flags, progress)
 
             phase[0] = "freeze"
-            frozen_ms, dump_ms = await self._cut(pod, targets, shm, work, flags, pre_dump, entry, phase, progress)
+            frozen_ms, dump_ms = await self._cut(
+                pod, targets, shm, work, flags, pre_dump, entry, phase, progress, thawing
+            )
             log.info(
                 "pod %s frozen for %.1f ms", pod.ref, frozen_ms,
                 extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(frozen_ms, 1)},
@@ -340,8 +343,17 @@ class Checkpointer:
             log.info("checkpoint %s of pod %s published", record.id, pod.ref, extra={"pod": pod.ref, "checkpoint": record.id, "phase": "publish"})
             return record
         finally:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
-            self.journal.remove(entry)
+            # One cleanup task that outlives this call if it is cancelled again
+            # meanwhile: first the thaw (it waits out runc and CRIU), then the
+            # scratch files, then the journal entry.
+            async def finish() -> None:
+                for t in thawing:
+                    with contextlib.suppress(BaseException):
+                        await t
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                self.journal.remove(entry)
+
+            await asyncio.shield(asyncio.ensure_future(finish()))
 
     async def _cut(
         self,
@@ -354,8 +366,13 @@ class Checkpointer:
         entry: Entry,
         phase: list[str],
         progress: ProgressFn,
+        thawing: list[asyncio.Future[None]],
     ) -> tuple[float, dict[str, float]]:
-        """Freeze every target, capture each, thaw every target. Returns (frozen ms, dump ms per container)."""
+        """Freeze every target, capture each, thaw every target. Returns (frozen ms, dump ms per container).
+
+        The thaw runs as its own task, kept in `thawing`, so that it finishes
+        even if this call is cancelled twice.
+        """
         total = len(targets)
         s = self.settings
         os.makedirs(s.logs_dir, mode=0o700, exist_ok=True)
@@ -418,7 +435,9 @@ class Checkpointer:
             ok = True
         finally:
             # Thaw first, whatever happened; then wait out helpers on failure.
-            await asyncio.shield(self._thaw(targets, guard, helpers, ok))
+            thaw = asyncio.ensure_future(self._thaw(targets, guard, helpers, ok))
+            thawing.append(thaw)
+            await asyncio.shield(thaw)
         frozen_ms = (time.monotonic() - t_freeze) * 1000
         progress(Progress("thaw", total, total, message=f"frozen {frozen_ms:.0f} ms"))
         return frozen_ms, dump_ms

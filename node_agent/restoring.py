@@ -211,18 +211,18 @@ class Restorer:
         entry = Entry("restore", data={"sandboxes": [], "plans": []})
         try:
             async with asyncio.timeout(timeout):
-                return await self._run(req, entry, phase, progress)
+                result = await self._run(req, entry, phase, progress)
         except TimeoutError as exc:
-            await asyncio.shield(self._undo(entry))
+            await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
             raise errors.DeadlineExceeded(
                 f"restore of {req.checkpoint_id}: the deadline ({timeout:g}s) passed during {phase[0]}; "
                 "everything it created was removed"
             ) from exc
         except BaseException:
-            await asyncio.shield(self._undo(entry))
+            await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
             raise
-        finally:
-            self.journal.remove(entry)
+        self.journal.remove(entry)
+        return result
 
     async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
         store = req.source or self.store
@@ -406,8 +406,12 @@ class Restorer:
         os.replace(path + ".tmp", path)
 
     async def _undo(self, entry: Entry) -> None:
-        """Remove every sandbox and plan this restore created."""
+        """Remove every sandbox and plan this restore created, then its journal entry.
+
+        Runs as its own task: a second cancellation of the call cannot cut it short.
+        """
         await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
+        self.journal.remove(entry)
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

@@ -503,6 +503,9 @@ class CriListener:
         if os.path.exists(self.path):
             os.unlink(self.path)
         self.server.add_insecure_port("unix://" + self.path)
+        from node_agent.api.health import add_operability
+
+        await add_operability(self.server, ("runtime.v1.RuntimeService", "runtime.v1.ImageService"))
         await self.server.start()
         os.chmod(self.path, 0o660)
         await self.endpoint.prune()

@@ -478,3 +478,20 @@ def test_container_events_stream_through_byte_for_byte(bed17: tuple[Bed, EventTa
 def brief(messages: list[bytes]) -> list[tuple[str, int]]:
     """ContainerEventResponses as (container id prefix, event type)."""
     return [(_fields(m).get(1, b"")[:12].decode(errors="replace"), _fields(m).get(2, 0)) for m in messages]
+
+
+def test_the_cri_endpoint_serves_health_and_reflection(agent: Bed) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(agent.cri_endpoint) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="runtime.v1.RuntimeService"), timeout=10
+        ).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"runtime.v1.RuntimeService", "runtime.v1.ImageService", "grpc.health.v1.Health"} <= names
