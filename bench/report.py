@@ -415,8 +415,8 @@ of the timed runs. The raw samples, warm-up rounds included, are in the JSON.
   processes.
 - **Restore (local plan), the baseline.** The restore plan the agent writes
   for the same checkpoint (CRIU images, writable-layer diff, `plan.json`) is
-  copied once to a local directory beforehand. For each run a hard-linked copy
-  of it is made (no data written), then, timed, through plain CRI calls from
+  copied once to a local directory beforehand. For each run a fresh private
+  copy of it is made (untimed), then, timed, through plain CRI calls from
   the benchmark process: RunPodSandbox with the same runtime handler,
   CreateContainer with the same container config, a rename of the plan into
   `<store>/plans/<container id>/`, and StartContainer. That is `runc restore`
@@ -426,9 +426,11 @@ of the timed runs. The raw samples, warm-up rounds included, are in the JSON.
 - **Page cache.** Before each restore, untimed, the data it starts from is
   read once (the checkpoint store for the agent, the local plan for the
   baseline), so both start with it in memory: the comparison is of the work
-  each path does, not of the disk. A copy of the images written just before
-  the baseline would have slowed its CRIU memory restore two- to threefold on
-  a virtual machine, so it is hard-linked instead.
+  each path does, not of the disk. Both restores run CRIU with
+  `--auto-dedup`, which punches each restored page out of the private image
+  copy, so a freshly written copy no longer slows CRIU's memory restore (it
+  used to, two- to threefold, on a virtual machine: the copy's page cache
+  left CRIU only cold memory).
 - **Agent peak RSS.** The agent is restarted before the first timed checkpoint
   of the largest one-container workload; `VmHWM` of its process
   (`/proc/<pid>/status`) right after that checkpoint. runc and CRIU run in

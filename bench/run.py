@@ -143,16 +143,13 @@ def warm(root: str, skip: frozenset[str] | set[str] = frozenset()) -> int:
     return total
 
 
-def link_tree(src: Path, dst: Path) -> None:
-    """A copy of a plan directory whose files are hard links, except plan.json
-    (rewritten per run): no data is written, so nothing waits on the disk."""
-    def link(s: str, d: str) -> None:
-        if os.path.basename(s) == "plan.json":
-            shutil.copy2(s, d)
-        else:
-            os.link(s, d)
+def copy_tree(src: Path, dst: Path) -> None:
+    """A private copy of a plan directory, as the agent makes one per restore.
 
-    shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    Untimed. It must be a copy, not hard links: the restore runs CRIU with
+    --auto-dedup, which punches each restored page out of the image files.
+    """
+    shutil.copytree(src, dst, symlinks=True)
 
 
 def fsync_path(path: str) -> None:
@@ -573,7 +570,7 @@ class Bench:
         cname = ccfg["metadata"]["name"]
         os.makedirs(os.path.join(pcfg["log_directory"], cname), exist_ok=True)
         stage = self.work / "bare" / f"plan-{secrets.token_hex(4)}"
-        link_tree(src_plan, stage)
+        copy_tree(src_plan, stage)
         plan_file = stage / "plan.json"
         if plan_file.exists():
             plan = json.loads(plan_file.read_text())

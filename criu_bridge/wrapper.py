@@ -145,7 +145,10 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
 
     work = os.path.join(plan_dir, "work")
     os.makedirs(work, exist_ok=True)
-    argv = [runc, *call.global_args, "restore", "--detach",
+    # --auto-dedup: CRIU punches out each page of our private image copy as it
+    # restores it, so the copy's page cache is handed back while the process's
+    # memory fills (restores of large images no longer run short of warm pages).
+    argv = [runc, *call.global_args, "restore", "--detach", "--auto-dedup",
             "--image-path", os.path.join(plan_dir, "images"), "--work-path", work]
     skip = False
     for i, a in enumerate(call.args):
