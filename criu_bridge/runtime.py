@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 from dataclasses import dataclass
@@ -57,19 +56,6 @@ class Runc:
         if log_path:
             args += ["--log", log_path, "--log-format", "json"]
         return args
-
-    async def state(self, container_id: str, *, timeout: float = 10.0) -> dict[str, object]:
-        proc = await asyncio.create_subprocess_exec(
-            *self._base(), "state", container_id,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await _communicate(proc, timeout)
-        if proc.returncode != 0:
-            raise RuntimeFailure(
-                phase="runc state", decisive=[err.decode(errors="replace").strip()], log_path=None
-            )
-        state: dict[str, object] = json.loads(out)
-        return state
 
     async def checkpoint(
         self,
@@ -121,16 +107,6 @@ class Runc:
             if not decisive:
                 decisive = [(out[0] or b"").decode(errors="replace").strip()[-2000:]]
             raise RuntimeFailure(phase="pre-dump" if pre_dump else "dump", decisive=decisive, log_path=dump_log)
-
-
-async def _communicate(proc: asyncio.subprocess.Process, timeout: float) -> tuple[bytes, bytes]:
-    try:
-        async with asyncio.timeout(timeout):
-            out, err = await proc.communicate()
-            return out or b"", err or b""
-    except BaseException:
-        await reap(proc, grace=0)
-        raise
 
 
 async def reap(proc: asyncio.subprocess.Process, *, grace: float) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from node_agent.cli import output
 from node_agent.cli.checkpoints import stream_result
-from node_agent.cli.client import Client, CliError, pb, socket_path
+from node_agent.cli.client import Client, pb, socket_path
 
 ENV_USER = "NODE_AGENT_REGISTRY_USERNAME"
 ENV_PASSWORD = "NODE_AGENT_REGISTRY_PASSWORD"

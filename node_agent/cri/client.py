@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -18,7 +18,6 @@ from node_agent.cri.types import Container, ContainerDetail, Pod, PodDetail
 log = logging.getLogger(__name__)
 
 _MAX_MSG = 64 << 20
-T = TypeVar("T")
 
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.AgentError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -203,9 +202,6 @@ class CriClient:
 
     async def start_container(self, container_id: str, *, timeout: float | None = None) -> None:
         await self._call(f"StartContainer {container_id[:13]}", self._rt.StartContainer, cri.StartContainerRequest(container_id=container_id), timeout=timeout or max(self.timeout, 120))
-
-    async def stop_container(self, container_id: str, grace: int = 10) -> None:
-        await self._call(f"StopContainer {container_id[:13]}", self._rt.StopContainer, cri.StopContainerRequest(container_id=container_id, timeout=grace), timeout=self.timeout + grace)
 
     async def remove_container(self, container_id: str) -> None:
         await self._call(f"RemoveContainer {container_id[:13]}", self._rt.RemoveContainer, cri.RemoveContainerRequest(container_id=container_id))

@@ -85,8 +85,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Memory images change in scattered pages and each changed page costs one
-# whole chunk, so chunks are small: 256 KiB on average (64 KiB to 1 MiB).
+# About 1 MiB on average (256 KiB to 4 MiB): per-chunk costs stay small and a
+# 1 GiB checkpoint stays near a thousand manifest layers. A workload that
+# dirties scattered pages between checkpoints may want smaller chunks
+# (docs/store.md has the trade-off).
 DEFAULT_CHUNK_SIZE: Final = 1 << 20
 MIN_PREFIX_LEN: Final = 6
 INDEX_NAME: Final = "index.json"

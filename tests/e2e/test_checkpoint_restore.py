@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 
 from tests.e2e.bed import (
     Bed, ask, container_detail, counter_pod, freezer_state, pod_detail, pods_in, remove_pod, ticks, wait_for,

@@ -27,7 +27,7 @@ from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import Listeners
-from node_agent.config import Settings, from_mapping
+from node_agent.config import from_mapping
 from node_agent.errors import InvalidArgument
 from node_agent.store import Store
 
