@@ -52,6 +52,15 @@ def tick_time(line: str) -> float | None:
         return None
 
 
+def tick_stamps(path: str) -> list[float]:
+    """Every tick stamp in a CRI log file, in order."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return [t for t in (tick_time(line) for line in fh) if t is not None]
+    except OSError:
+        return []
+
+
 def largest_gap(stamps: list[float]) -> float:
     """The largest difference between consecutive stamps (0 for fewer than two)."""
     return max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)

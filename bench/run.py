@@ -523,31 +523,64 @@ class Bench:
         return {"wall_s": round(wall, 4), "dump_s": round(dumped, 4), "frozen_outside_ms": gap.gap_ms,
                 "file_bytes": size, "start": t0, "end": t1}
 
-    def agent_restore(self, ckpt: str, label: str) -> dict[str, Any]:
+    def agent_restore(self, ckpt: str, label: str, lazy: bool = False, keep: bool = False) -> dict[str, Any]:
+        """`node-agent restore --start`, full or lazy. Lazily, also the time until
+        every page is in and the ticker's stalls until then (each tick flips a
+        word on a random page: a page not yet in costs the tick a fault served
+        from the store)."""
         name = f"r-{label}-{secrets.token_hex(3)}"
         warm(self.store, NOT_STORE)
         cp, wall, t0, t1 = self.cli("restore", ckpt, "--namespace", NS_RESTORE, "--name", name, "--start",
-                                    "-o", "json", "--timeout", str(self.op_timeout - 10))
+                                    "--lazy" if lazy else "--full", "-o", "json", "--timeout", str(self.op_timeout - 10))
         res = json.loads(cp.stdout)
         pod_id = res["pod_sandbox_id"]
         self.pods[pod_id] = f"{NS_RESTORE}/{name}"
+        out: dict[str, Any] = {}
         try:
             cids = [c["container_id"] for c in res.get("containers", [])]
+            if lazy:
+                out.update(self.lazy_completion(cids, t0))
             assert self.ctrd_log is not None
             starts = [self.ctrd_log.start_ms(cid) for cid in cids]
             for cid in cids:
                 self.check_running(cid)
             criu = [criu_log_ms(os.path.join(self.plans_dir, cid, "work", "restore.log")) for cid in cids]
         finally:
-            self.remove_pod(pod_id)
-        return {"wall_s": round(wall, 4), "start_ms": sum(s for s in starts if s is not None) if all(
-            s is not None for s in starts) else None, "criu_restore_ms": criu, "start": t0, "end": t1}
+            if not keep:
+                self.remove_pod(pod_id)
+        out.update({"wall_s": round(wall, 4), "start_ms": sum(s for s in starts if s is not None) if all(
+            s is not None for s in starts) else None, "criu_restore_ms": criu, "start": t0, "end": t1})
+        return out
+
+    def lazy_completion(self, cids: list[str], t0: float) -> dict[str, Any]:
+        """Seconds from the restore call until every page is in; tick stalls in between."""
+        done = [os.path.join(self.plans_dir, cid, "lazy.done") for cid in cids]
+        failed = [os.path.join(self.plans_dir, cid, "lazy.failed") for cid in cids]
+        deadline = time.monotonic() + self.op_timeout
+        while not all(os.path.exists(d) for d in done):
+            bad = [f for f in failed if os.path.exists(f)]
+            if bad:
+                raise BenchError(f"lazy restore failed: {Path(bad[0]).read_text()[:500]}")
+            if time.monotonic() > deadline:
+                raise BenchError("lazy restore: the pages did not all come in")
+            time.sleep(0.005)
+        all_in = time.time() - t0
+        gaps: list[float] = []
+        for cid in cids:
+            d = self.cri(lambda cri: cri.container_status(cid))
+            stamps = crilog.tick_stamps(d.log_path)
+            window = [t for t in stamps if t0 <= t <= t0 + all_in]
+            gaps += [b - a for a, b in zip(window, window[1:])]
+        gaps.sort()
+        return {"all_in_s": round(all_in, 4),
+                "tick_gap_max_ms": round(gaps[-1] * 1000, 1) if gaps else None,
+                "tick_gap_median_ms": round(gaps[len(gaps) // 2] * 1000, 1) if gaps else None}
 
     def stage_plan(self, ckpt: str, dest: Path) -> None:
         """The restore plan the agent writes for this checkpoint's (only)
         container, copied to `dest`: a restore without --start, then the plan."""
         name = f"stage-{secrets.token_hex(3)}"
-        cp, _, _, _ = self.cli("restore", ckpt, "--namespace", NS_STAGE, "--name", name, "-o", "json")
+        cp, _, _, _ = self.cli("restore", ckpt, "--namespace", NS_STAGE, "--name", name, "--full", "-o", "json")
         res = json.loads(cp.stdout)
         pod_id = res["pod_sandbox_id"]
         self.pods[pod_id] = f"{NS_STAGE}/{name}"
@@ -682,7 +715,9 @@ class Bench:
             for i in range(self.args.warmup):
                 a = self.agent_restore(ckpt, f"{mib}-w{i + 1}")
                 self.settle()
-                warmups.append({"agent": a, "bare": self.bare_restore(src, ccfg, f"{mib}-w{i + 1}")})
+                b = self.bare_restore(src, ccfg, f"{mib}-w{i + 1}")
+                self.settle()
+                warmups.append({"agent": a, "bare": b, "lazy": self.agent_restore(ckpt, f"{mib}-lw{i + 1}", lazy=True)})
                 self.settle()
             if warmups:
                 self.results["warmup"][f"restore/{mib}"] = warmups
@@ -691,13 +726,37 @@ class Bench:
                 self.settle()
                 b = self.bare_restore(src, ccfg, f"{mib}-{i + 1}")
                 self.settle()
-                samples.append({"run": i + 1, "agent": a, "bare": b})
+                z = self.agent_restore(ckpt, f"{mib}-l{i + 1}", lazy=True)
+                self.settle()
+                samples.append({"run": i + 1, "agent": a, "bare": b, "lazy": z})
                 log(f"  {mib} MiB restore {i + 1}/{runs}: agent {a['wall_s']:.2f}s (start {a['start_ms']} ms, "
                     f"CRIU {a['criu_restore_ms']} ms) | bare {b['wall_s']:.2f}s (start {b['start_ms']} ms, "
-                    f"CRIU {b['criu_restore_ms']} ms)")
+                    f"CRIU {b['criu_restore_ms']} ms) | lazy {z['wall_s']:.2f}s (start {z['start_ms']} ms, "
+                    f"all in {z['all_in_s']:.2f}s, tick stall max {z['tick_gap_max_ms']} ms)")
         finally:
             shutil.rmtree(src, ignore_errors=True)
         self.results["restore"][str(mib)] = samples
+        if mib == max(self.args.sizes):
+            self.replicas(mib, ckpt)
+
+    def replicas(self, mib: int, ckpt: str) -> None:
+        """Replicas stamped out lazily from one checkpoint, one after another, all left running."""
+        n = self.args.replicas
+        log(f"{mib} MiB: {n} lazy replicas from one checkpoint")
+        samples: list[dict[str, Any]] = []
+        kept: list[str] = []
+        try:
+            for i in range(n):
+                before = set(self.pods)
+                r = self.agent_restore(ckpt, f"{mib}-x{i + 1}", lazy=True, keep=True)
+                kept += [p for p in self.pods if p not in before]
+                samples.append({"replica": i + 1, **r})
+                log(f"  replica {i + 1}/{n}: {r['wall_s']:.2f}s, StartContainer {r['start_ms']} ms, "
+                    f"all in {r['all_in_s']:.2f}s")
+        finally:
+            for pod_id in kept:
+                self.remove_pod(pod_id)
+        self.results["replicas"] = {"mib": mib, "samples": samples}
 
     def pair(self, mib: int) -> None:
         runs = self.args.runs
@@ -810,6 +869,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="use the running test bed --bed and the agent already serving with this config "
                          "(neither is restarted or removed; peak RSS is then since that agent's start)")
     ap.add_argument("--agent-pid", type=int, help="with --attach: the agent's pid (default: found by its config)")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="lazy replicas stamped out from the largest size's checkpoint (default 10; --quick 2)")
     ap.add_argument("--settle", type=float, default=None, help="seconds of quiet between operations (default 1)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed rounds of every operation on each workload before the runs (default 1)")
@@ -830,6 +891,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.repeat_mib = 16
     if args.settle is None:
         args.settle = 0.1 if args.quick else 1.0
+    if args.replicas is None:
+        args.replicas = 2 if args.quick else 10
     if args.warmup is None:
         args.warmup = 0 if args.quick else 1
     if args.warmup < 0:

@@ -145,10 +145,20 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
 
     work = os.path.join(plan_dir, "work")
     os.makedirs(work, exist_ok=True)
-    # --auto-dedup: CRIU punches out each page of our private image copy as it
-    # restores it, so the copy's page cache is handed back while the process's
-    # memory fills (restores of large images no longer run short of warm pages).
-    argv = [runc, *call.global_args, "restore", "--detach", "--auto-dedup",
+    lazy = plan.get("lazy") is True
+    if lazy:
+        problem = _lazy_problem(plan_dir, work)
+        if problem:
+            msg = f"restore of {where}, phase lazy-pages: {problem}"
+            log_error(call, msg)
+            _mark(plan_dir, FAILED, msg)
+            return 1
+    # Lazily, the memory comes from the agent's lazy-pages daemon, which
+    # waits on work/lazy-pages.socket. Otherwise --auto-dedup: CRIU punches
+    # out each page of our private image copy as it restores it, so the
+    # copy's page cache is handed back while the process's memory fills
+    # (restores of large images no longer run short of warm pages).
+    argv = [runc, *call.global_args, "restore", "--detach", "--lazy-pages" if lazy else "--auto-dedup",
             "--image-path", os.path.join(plan_dir, "images"), "--work-path", work]
     skip = False
     for i, a in enumerate(call.args):
@@ -178,12 +188,27 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         _mark(plan_dir, FAILED, msg)
         return rc or 1
     _mark(plan_dir, RESTORED, "")
+    if lazy:
+        return 0  # the images are the daemon's until every page is in
     # The images served their purpose; keep only the logs.
     import shutil
 
     shutil.rmtree(os.path.join(plan_dir, "images"), ignore_errors=True)
     shutil.rmtree(os.path.join(plan_dir, "predump"), ignore_errors=True)
     return 0
+
+
+def _lazy_problem(plan_dir: str, work: str) -> str:
+    """Why a lazy restore cannot start now ("" when it can)."""
+    try:
+        with open(os.path.join(plan_dir, "lazy.failed"), encoding="utf-8") as fh:
+            return fh.read(4096).strip() or "the page source failed"
+    except OSError:
+        pass
+    if not os.path.exists(os.path.join(work, "lazy-pages.socket")):
+        return ("the page source for this container is gone (it waits a limited time for StartContainer); "
+                "restore the checkpoint again")
+    return ""
 
 
 def _mark(plan_dir: str, name: str, text: str) -> None:

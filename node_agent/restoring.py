@@ -30,6 +30,8 @@ from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_pr
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Entry, Journal
+from node_agent.lazy import pagemap
+from node_agent.lazy.session import LazySession
 from node_agent.metrics import Metrics, instrumented
 from node_agent.store import CheckpointRecord, Store
 
@@ -39,7 +41,11 @@ _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 # allow-host-access: let a checkpoint bring back privileged containers or
 # host namespaces (refused by default: a checkpoint is hostile input).
-RESTORE_OPTIONS = {"allow-host-access"}
+# lazy: start the containers before their memory is read (default: the
+# lazy-restore setting, where CRIU and the kernel support it).
+RESTORE_OPTIONS = {"allow-host-access", "lazy"}
+_TRUE = ("true", "1", "yes")
+_PAGEMAP_RE = re.compile(r"^containers/([^/]+)/checkpoint/pagemap-([0-9]{1,10})\.img$")
 _NODE_NAMESPACE = 2  # CRI NamespaceMode NODE
 RESTORED_FROM = "node-agent.io/restored-from"
 
@@ -194,6 +200,11 @@ class Restorer:
         self.criu = criu
         self._targets: set[str] = set()
         self.metrics = Metrics()
+        self._lazy_support: tuple[bool, str] | None = None
+        self._lazy_warned = False
+        # Lazily restored containers whose pages are still streaming in, by container ID.
+        self.lazy_sessions: dict[str, LazySession] = {}
+        self._op_sessions: dict[str, list[LazySession]] = {}
 
     @instrumented("restore")
     async def restore(
@@ -222,6 +233,7 @@ class Restorer:
             await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
             raise
         self.journal.remove(entry)
+        self._op_sessions.pop(entry.op_id, None)
         return result
 
     async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
@@ -268,13 +280,14 @@ class Restorer:
             target_pod_config(saved, namespace, name, uid, record.id) if req.pod_config is None
             else with_restored_from(req.pod_config, record.id)
         )
-        progress(Progress("sandbox", 0, len(saved.containers), message=where))
+        lazy = await self.lazy_mode(req, record)
+        progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
         # Read and verify every file while containerd makes the sandbox.
         staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
         os.makedirs(staging, mode=0o700)
         try:
             unpack = asyncio.create_task(
-                asyncio.to_thread(self.unpack, record, staging, req.source), name=f"unpack {record.id[:19]}"
+                asyncio.to_thread(self.unpack, record, staging, req.source, lazy), name=f"unpack {record.id[:19]}"
             )
             try:
                 pod_id = await self.cri.run_pod(pod_config, handler)
@@ -288,23 +301,66 @@ class Restorer:
             await unpack
             await self.restore_shm(staging, pod_id, where)
             return await self._containers(req, record, saved, staging, pod_id, pod_config, where,
-                                          namespace, name, uid, entry, phase, progress)
+                                          namespace, name, uid, entry, phase, progress, lazy)
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
-    def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None) -> None:
+    def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None, lazy: bool = False) -> None:
+        """Read and verify the files the restore needs into ``staging``.
+
+        Lazily, the memory that can come on demand stays in the store: each
+        such pages file is written sparse, with only its other pages in it.
+        """
         store = source or self.store
         try:
-            store.materialize(record.id, staging, prefix="containers")
+            sparse = lazy_pages_files(store, record) if lazy else {}
+            store.materialize(record.id, staging, prefix="containers", exclude=set(sparse))
+            for path, pm in sparse.items():
+                write_sparse_pages(store, record, staging, path, pm)
             if any(f.path == "pod/devshm.tar" for f in record.files):
                 store.materialize(record.id, staging, prefix="pod/devshm.tar")
         except errors.DataLoss as exc:
             raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
+        except pagemap.PagemapError as exc:
+            raise errors.DataLoss(f"checkpoint {record.id}: unusable memory image: {exc}") from exc
+
+    async def lazy_supported(self) -> tuple[bool, str]:
+        """Whether this CRIU and kernel can restore lazily (`criu check --feature uffd-noncoop`), and why not."""
+        if self._lazy_support is None:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    self.settings.criu, "check", "--feature", "uffd-noncoop",
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                )
+                out, _ = await asyncio.wait_for(proc.communicate(), 30)
+                lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+                self._lazy_support = (proc.returncode == 0, lines[-1] if lines else f"exit status {proc.returncode}")
+            except (OSError, TimeoutError) as exc:
+                self._lazy_support = (False, str(exc))
+        return self._lazy_support
+
+    async def lazy_mode(self, req: RestoreRequest, record: CheckpointRecord) -> bool:
+        """Whether this restore goes lazily: asked for (or the default), possible here, and for this checkpoint."""
+        asked = str(req.options.get("lazy", "")).lower()
+        if asked:
+            if asked not in _TRUE:
+                return False
+        elif self.settings.lazy_restore != "auto":
+            return False
+        if any("/predump/" in f.path for f in record.files):
+            log.info("checkpoint %s has pre-dumped memory: restoring it in full", record.id)
+            return False
+        ok, why = await self.lazy_supported()
+        if not ok and not self._lazy_warned:
+            self._lazy_warned = True
+            log.warning("lazy restore is not available here (criu check --feature uffd-noncoop: %s): "
+                        "restores read all memory before the containers start", why)
+        return ok
 
     async def _containers(
         self, req: RestoreRequest, record: CheckpointRecord, saved: _Saved, staging: str, pod_id: str,
         pod_config: dict[str, Any], where: str, namespace: str, name: str, uid: str, entry: Entry,
-        phase: list[str], progress: ProgressFn,
+        phase: list[str], progress: ProgressFn, lazy: bool = False,
     ) -> RestoredPod:
         created: list[tuple[str, str]] = []
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
@@ -318,9 +374,14 @@ class Restorer:
             plan_dir = os.path.join(self.settings.plans_dir, cid)
             entry.data["plans"].append(plan_dir)
             self.journal.write(entry)
-            await asyncio.to_thread(
-                self.write_plan, record, staging, cname, plan_dir, where, saved.options + tuple(sorted(req.options))
-            )
+            options = saved.options + tuple(sorted(k for k in req.options if k != "lazy"))
+            await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, options, lazy)
+            if lazy:
+                session = LazySession(self.settings, where, cname, cid, record.id, plan_dir,
+                                      (req.source or self.store).root)
+                self._op_sessions.setdefault(entry.op_id, []).append(session)
+                await session.start()
+                self._track(session)
             created.append((cname, cid))
             progress(Progress("create", i + 1, len(saved.containers), message=cname))
 
@@ -384,8 +445,18 @@ class Restorer:
         except BridgeError as exc:
             raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
+    def _track(self, session: LazySession) -> None:
+        self.lazy_sessions[session.container_id] = session
+
+        async def forget() -> None:
+            await session.wait()
+            self.lazy_sessions.pop(session.container_id, None)
+
+        asyncio.create_task(forget(), name=f"lazy done {session.container_id[:13]}")
+
     def write_plan(
-        self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...]
+        self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
+        lazy: bool = False,
     ) -> None:
         """Move a container's verified files from staging into its plan dir (renames only)."""
         os.makedirs(plan_dir, mode=0o700)
@@ -397,7 +468,8 @@ class Restorer:
         for fname in ("rootfs-diff.tar", "deleted.files", "opaque.dirs"):
             if os.path.exists(os.path.join(src, fname)):
                 os.replace(os.path.join(src, fname), os.path.join(plan_dir, fname))
-        plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options)}
+        plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options),
+                "lazy": lazy}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(plan, fh)
@@ -410,6 +482,8 @@ class Restorer:
 
         Runs as its own task: a second cancellation of the call cannot cut it short.
         """
+        for session in self._op_sessions.pop(entry.op_id, []):
+            await session.cancel()
         await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
         self.journal.remove(entry)
 
@@ -438,3 +512,49 @@ async def undo_restore(cri: CriClient, data: Mapping[str, Any], timeout: float) 
     for plan_dir in data.get("plans", []):
         if isinstance(plan_dir, str) and os.path.isabs(plan_dir):
             shutil.rmtree(plan_dir, ignore_errors=True)
+
+
+def lazy_pages_files(store: Store, record: CheckpointRecord) -> dict[str, pagemap.Pagemap]:
+    """The pages files that hold memory a lazy restore may leave in the store, with their pagemaps."""
+    out: dict[str, pagemap.Pagemap] = {}
+    for f in record.files:
+        m = _PAGEMAP_RE.match(f.path)
+        if not m or f.is_dir:
+            continue
+        if f.size > pagemap.MAX_PAGEMAP_BYTES:
+            raise pagemap.PagemapError(f"{f.path} is larger than {pagemap.MAX_PAGEMAP_BYTES} bytes")
+        with store.open(record.id, f.path) as fh:
+            pm = pagemap.parse(fh.pread(0, f.size), int(m.group(2)))
+        if pm.lazy_pages:
+            out[f"containers/{m.group(1)}/checkpoint/{pm.pages_file}"] = pm
+    return out
+
+
+def write_sparse_pages(store: Store, record: CheckpointRecord, staging: str, path: str, pm: pagemap.Pagemap) -> None:
+    """Create ``staging/path`` at its full size with only the pages that cannot come lazily written in."""
+    entry = record.entry(path)
+    if entry.size != pm.pages_size:
+        raise pagemap.PagemapError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
+    parent, _, fname = path.rpartition("/")
+    dir_fd = os.open(os.path.join(staging, parent), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        os.ftruncate(fd, entry.size)
+        with store.open(record.id, path) as reader:
+            for ext in pm.extents:
+                if ext.offset < 0 or ext.lazy:
+                    continue
+                pos, end = ext.offset, ext.offset + ext.nr_pages * pagemap.PAGE_SIZE
+                while pos < end:
+                    data = reader.pread(pos, min(end - pos, 8 << 20))
+                    if not data:
+                        raise errors.DataLoss(f"checkpoint {record.id}: {path} ends before offset {pos}")
+                    os.pwrite(fd, data, pos)
+                    pos += len(data)
+        os.fchmod(fd, entry.mode & 0o777)
+    finally:
+        os.close(fd)

@@ -76,9 +76,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    options = _parse_options(args.option or [])
+    if args.lazy is not None:
+        options["lazy"] = "true" if args.lazy else "false"
     req = pb.RestoreRequest(
         checkpoint_id=args.checkpoint, namespace=args.namespace or "", name=args.name or "",
-        start=args.start, options=_parse_options(args.option or []), runtime_handler=args.runtime_handler or "",
+        start=args.start, options=options, runtime_handler=args.runtime_handler or "",
     )
     result = stream_result(args, "Restore", req)
     if args.output == "json":
@@ -184,6 +187,12 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", help="target namespace (default: the checkpoint's)")
     p.add_argument("--name", help="target pod name (default: <name>-restored-<6 hex>)")
     p.add_argument("--start", action="store_true", help="also start the restored containers")
+    lazy = p.add_mutually_exclusive_group()
+    lazy.add_argument("--lazy", dest="lazy", action="store_true", default=None,
+                      help="start the containers before their memory is read; pages stream in from the store "
+                           "(the default where supported, see lazy-restore)")
+    lazy.add_argument("--full", dest="lazy", action="store_false",
+                      help="read all memory before the containers start")
     p.add_argument("--option", action="append", metavar="K=V", help="restore option")
     p.add_argument("--runtime-handler", help="runtime handler for the new sandbox")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS")

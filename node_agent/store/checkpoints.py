@@ -23,7 +23,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, BinaryIO, Final
@@ -358,13 +358,16 @@ class Store:
         """
         return verify_blobs(self.blobs, self.get(checkpoint_id), self.workers)
 
-    def materialize(self, checkpoint_id: str, dest: str | os.PathLike[str], *, prefix: str = "") -> None:
+    def materialize(
+        self, checkpoint_id: str, dest: str | os.PathLike[str], *, prefix: str = "", exclude: Collection[str] = ()
+    ) -> None:
         """Write a checkpoint's files (those at or under ``prefix``, if given) into ``dest``.
 
         Paths keep their full checkpoint-relative names. ``dest`` must exist,
         and ``dest/prefix`` must be missing or hold nothing but directories
-        (so several prefixes can go into one destination). Every chunk is
-        verified; on any error everything this call created is removed again.
+        (so several prefixes can go into one destination). Files whose paths
+        are in ``exclude`` are left out. Every chunk is verified; on any
+        error everything this call created is removed again.
         """
         record = self.get(checkpoint_id)
         entries: Sequence[FileEntry] = record.files
@@ -373,6 +376,8 @@ class Store:
             entries = [e for e in record.files if e.path == prefix or e.path.startswith(prefix + "/")]
             if not entries:
                 raise NotFound(f"checkpoint {record.id}: nothing at {prefix!r}")
+        if exclude:
+            entries = [e for e in entries if e.path not in exclude]
         dest_path = os.fspath(dest)
         try:
             dest_fd = os.open(dest_path, _DIR_OPEN)

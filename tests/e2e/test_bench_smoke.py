@@ -13,13 +13,16 @@ from typing import Any
 from bench import crilog
 from tests.e2e.bed import REPO, Bed, pods_in
 
-TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss"}
+TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss",
+           "restore_lazy", "lazy_start", "lazy_whole", "lazy_all_in", "lazy_replicas"}
 SUMMARY = {
     ("single", "16"): [
         "agent_wall_s", "agent_frozen_reported_ms", "agent_frozen_outside_ms", "bare_wall_s", "bare_frozen_ms",
         "tar_zstd_wall_s", "tar_zstd_dump_s", "tar_zstd_frozen_ms", "first_added_bytes", "size_bytes",
     ],
-    ("restore", "16"): ["agent_wall_s", "agent_start_ms", "bare_wall_s", "bare_start_ms", "bare_sandbox_s", "bare_create_s"],
+    ("restore", "16"): ["agent_wall_s", "agent_start_ms", "bare_wall_s", "bare_start_ms", "bare_sandbox_s", "bare_create_s",
+                        "lazy_wall_s", "lazy_start_ms", "lazy_all_in_s"],
+    ("replicas",): ["start_ms_max", "start_ms_median", "wall_s_max"],
     ("pair",): ["agent_wall_s", "agent_frozen_reported_ms", "agent_frozen_outside_ms", "bare_sum_wall_s", "bare_sum_frozen_ms"],
     ("repeat",): ["size_bytes", "first_added_bytes", "added_bytes", "added_fraction"],
     ("rss",): ["peak_mib"],

@@ -1,0 +1,179 @@
+"""CRIU's memory images: which pages of which task live where in a pages file.
+
+A task's ``pagemap-<id>.img`` is a CRIU protobuf image: two magic words,
+then length-prefixed messages. The first message (PagemapHead) names the
+pages file (``pages-<pages_id>.img``); every later one (PagemapEntry) covers
+``nr_pages`` pages from ``vaddr`` with flags: PE_PARENT (the pages are in a
+parent image), PE_LAZY (they may be restored on demand) and PE_PRESENT
+(their bytes are in this pages file, in entry order).
+
+Images come out of checkpoints, and checkpoints are hostile input: sizes
+and counts are bounded, and the entries must be sorted and disjoint.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+PAGE_SIZE: Final = 4096
+PE_PARENT: Final = 1 << 0
+PE_LAZY: Final = 1 << 1
+PE_PRESENT: Final = 1 << 2
+
+MAX_PAGEMAP_BYTES: Final = 64 << 20
+MAX_ENTRY_BYTES: Final = 256
+TASK_PAGEMAP: Final = re.compile(r"^pagemap-([0-9]{1,10})\.img$")
+_U32: Final = struct.Struct("<I")
+
+
+class PagemapError(ValueError):
+    """A pagemap image that is malformed or out of bounds."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``nr_pages`` pages from ``vaddr``, stored at ``offset`` of the pages file (when present)."""
+
+    vaddr: int
+    nr_pages: int
+    flags: int
+    offset: int  # -1 when the pages are not in this pages file
+
+    @property
+    def end(self) -> int:
+        return self.vaddr + self.nr_pages * PAGE_SIZE
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.flags & PE_LAZY) and bool(self.flags & PE_PRESENT)
+
+
+@dataclass(frozen=True)
+class Pagemap:
+    """One task's memory layout: its pages file and its extents, sorted by address."""
+
+    task_id: int
+    pages_id: int
+    extents: tuple[Extent, ...]
+
+    @property
+    def pages_file(self) -> str:
+        return f"pages-{self.pages_id}.img"
+
+    @property
+    def pages_size(self) -> int:
+        """Bytes of the pages file the extents account for."""
+        return sum(e.nr_pages * PAGE_SIZE for e in self.extents if e.offset >= 0)
+
+    @property
+    def lazy_pages(self) -> int:
+        return sum(e.nr_pages for e in self.extents if e.lazy)
+
+    def find(self, vaddr: int) -> Extent | None:
+        """The present extent holding ``vaddr``, or None."""
+        i = bisect.bisect_right(self._starts, vaddr) - 1
+        if i < 0:
+            return None
+        ext = self.extents[i]
+        return ext if ext.offset >= 0 and ext.vaddr <= vaddr < ext.end else None
+
+    @property
+    def _starts(self) -> list[int]:
+        starts = self.__dict__.get("_starts_cache")
+        if starts is None:
+            starts = [e.vaddr for e in self.extents]
+            object.__setattr__(self, "_starts_cache", starts)
+        return starts
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise PagemapError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _fields(msg: bytes) -> dict[int, int]:
+    """The varint fields of a message; any other wire type is refused."""
+    out: dict[int, int] = {}
+    pos = 0
+    while pos < len(msg):
+        key, pos = _varint(msg, pos)
+        if key & 7 != 0:
+            raise PagemapError(f"unexpected wire type {key & 7} in a pagemap message")
+        out[key >> 3], pos = _varint(msg, pos)
+    return out
+
+
+def parse(data: bytes, task_id: int) -> Pagemap:
+    """Parse the bytes of ``pagemap-<task_id>.img``."""
+    if len(data) > MAX_PAGEMAP_BYTES:
+        raise PagemapError(f"pagemap of task {task_id} is larger than {MAX_PAGEMAP_BYTES} bytes")
+    if len(data) < 8:
+        raise PagemapError(f"pagemap of task {task_id} is truncated")
+    pos = 8  # the image's two magic words
+    head: dict[int, int] | None = None
+    extents: list[Extent] = []
+    offset = 0
+    last_end = 0
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise PagemapError(f"pagemap of task {task_id}: truncated message length")
+        (size,) = _U32.unpack_from(data, pos)
+        pos += 4
+        if size > MAX_ENTRY_BYTES or pos + size > len(data):
+            raise PagemapError(f"pagemap of task {task_id}: message of {size} bytes at {pos - 4} is out of bounds")
+        fields = _fields(data[pos : pos + size])
+        pos += size
+        if head is None:
+            head = fields
+            continue
+        vaddr = fields.get(1, -1)
+        # CRIU 4 writes the page count as field 5 (uint64); older images use field 2.
+        nr_pages = fields.get(5, fields.get(2, 0))
+        flags = fields.get(4, PE_PRESENT)
+        if vaddr < 0 or vaddr % PAGE_SIZE or nr_pages <= 0 or nr_pages > (1 << 36) or vaddr < last_end:
+            raise PagemapError(
+                f"pagemap of task {task_id}: bad extent (vaddr {vaddr:#x}, {nr_pages} pages) after {last_end:#x}"
+            )
+        present = bool(flags & PE_PRESENT)
+        extents.append(Extent(vaddr, nr_pages, flags, offset if present else -1))
+        if present:
+            offset += nr_pages * PAGE_SIZE
+        last_end = vaddr + nr_pages * PAGE_SIZE
+    if head is None or 1 not in head:
+        raise PagemapError(f"pagemap of task {task_id} has no head")
+    return Pagemap(task_id, head[1], tuple(extents))
+
+
+def load_dir(images: str) -> dict[int, Pagemap]:
+    """Every task pagemap in an images directory, by task id."""
+    out: dict[int, Pagemap] = {}
+    for name in sorted(os.listdir(images)):
+        m = TASK_PAGEMAP.match(name)
+        if not m:
+            continue
+        fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size > MAX_PAGEMAP_BYTES:
+                raise PagemapError(f"{name} is larger than {MAX_PAGEMAP_BYTES} bytes")
+            with os.fdopen(fd, "rb") as fh:
+                fd = -1
+                data = fh.read(MAX_PAGEMAP_BYTES + 1)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        task = int(m.group(1))
+        out[task] = parse(data, task)
+    return out

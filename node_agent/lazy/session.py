@@ -1,0 +1,313 @@
+"""One lazily restored container: its lazy-pages daemon, its page source, and their guard.
+
+Started by the restorer after the container's restore plan is written and
+before StartContainer:
+
+1. a listening socket on 127.0.0.1 (an ephemeral port);
+2. ``criu lazy-pages --page-server`` in the plan's work directory, where
+   the restore (run by the wrapper at StartContainer) will hand it the
+   processes' userfaultfds; it connects to that port once it has them;
+3. the page source (`node_agent.lazy.source`), a separate process that
+   serves the pages from the store.
+
+The session then guards the transfer: it holds a duplicate of the
+page-server connection, so a page source that dies can never make the
+daemon let go of the userfaultfds while the container runs (the kernel
+would fill the missing pages with zeros). On any failure it kills the
+container's processes first, then lets the connection go, then reports
+the failure with the pod, the container, the phase and the daemon's
+decisive log lines. When every page is in, the daemon and the source exit
+by themselves and the plan's images are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from criu_bridge import logs
+from node_agent import errors
+from node_agent.config import Settings
+from node_agent.lazy.kill import kill_container
+
+log = logging.getLogger(__name__)
+
+DONE_FILE = "lazy.done"
+FAILED_FILE = "lazy.failed"
+DAEMON_LOG = "lazy-pages.log"
+SOCKET_NAME = "lazy-pages.socket"
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: str = ""
+    pages: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class LazySession:
+    settings: Settings
+    pod: str  # namespace/name
+    container: str
+    container_id: str
+    checkpoint_id: str
+    plan_dir: str
+    store_root: str
+    started_at: float = field(default_factory=time.monotonic)
+    outcome: Outcome | None = None
+    _daemon: asyncio.subprocess.Process | None = None
+    _source: asyncio.subprocess.Process | None = None
+    _ctrl: socket.socket | None = None
+    _conn_fd: int = -1
+    _task: asyncio.Task[None] | None = None
+    _finished: asyncio.Event = field(default_factory=asyncio.Event)
+    _removed: bool = False
+    _connected: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"restore of pod {self.pod}, container {self.container}, phase lazy-pages"
+
+    @property
+    def work(self) -> str:
+        return os.path.join(self.plan_dir, "work")
+
+    @property
+    def images(self) -> str:
+        return os.path.join(self.plan_dir, "images")
+
+    async def start(self) -> None:
+        """Start the daemon and the source; return once the daemon listens for the restore."""
+        os.makedirs(self.work, mode=0o700, exist_ok=True)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        status_r, status_w = os.pipe()
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            self._daemon = await asyncio.create_subprocess_exec(
+                self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
+                "--images-dir", self.images, "--work-dir", self.work, "--log-file", DAEMON_LOG,
+                "--status-fd", str(status_w),
+                pass_fds=(status_w,), start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )
+            os.close(status_w)
+            status_w = -1
+            ready = await asyncio.wait_for(asyncio.to_thread(os.read, status_r, 1), 10)
+            if not ready:
+                await self._stop_daemon()
+                raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
+            self._source = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "node_agent.lazy.source",
+                "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
+                "--images", self.images, "--peer-pid", str(self._daemon.pid),
+                "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
+                "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
+                "--start-timeout", str(self.settings.timeouts.lazy_start),
+                pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=open(os.path.join(self.work, "page-source.log"), "ab"),  # noqa: SIM115 - handed to the child
+            )
+        except BaseException:
+            await self._stop_daemon()
+            ours.close()
+            raise
+        finally:
+            listener.close()
+            theirs.close()
+            os.close(status_r)
+            if status_w >= 0:
+                os.close(status_w)
+        self._ctrl = ours
+        self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
+
+    async def wait(self) -> Outcome:
+        await self._finished.wait()
+        assert self.outcome is not None
+        return self.outcome
+
+    # -- the guard ------------------------------------------------------------------------------
+
+    async def _guard(self) -> None:
+        try:
+            outcome = await self._watch()
+        except asyncio.CancelledError:
+            # The agent is shutting down: the page source serves on by itself.
+            self._close_conn()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a guard must always end in a decision
+            outcome = Outcome(False, f"the guard failed: {exc!r}")
+            if self._connected:
+                await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
+        self._close_conn()
+        await self._finish(outcome)
+
+    async def _watch(self) -> Outcome:
+        assert self._ctrl is not None
+        reader = _ControlReader(self._ctrl)
+        first = asyncio.ensure_future(reader.next())
+        deadline = time.monotonic() + self.settings.timeouts.lazy_start
+        while not first.done():
+            await asyncio.wait([first], timeout=1.0)
+            if first.done():
+                break
+            if not os.path.isdir(self.plan_dir):
+                self._removed = True
+                return Outcome(False, "the container was removed before it started")
+            if time.monotonic() > deadline:
+                return Outcome(False, f"StartContainer did not come within {self.settings.timeouts.lazy_start:g}s; "
+                                      "the page source gave up (restore the checkpoint again)")
+        event = first.result()
+        if event is None:
+            return Outcome(False, f"the page source exited before the restore connected ({await self._source_exit()})")
+        if event.get("event") == "error":
+            return Outcome(False, str(event.get("message")))
+        if event.get("event") != "connected" or not reader.fds:
+            return Outcome(False, f"unexpected message from the page source: {event!r}")
+        self._conn_fd = reader.fds.pop(0)
+        self._connected = True
+        for extra in reader.fds:
+            os.close(extra)
+        self._ctrl.sendall(b"ok\n")
+        event = await reader.next()
+        if event is not None and event.get("event") == "done":
+            pages = int(event.get("pages", 0))
+            return Outcome(True, pages=pages, seconds=float(event.get("seconds", 0.0)))
+        reason = (
+            str(event.get("message")) if event is not None and event.get("event") == "error"
+            else f"the page source exited mid-transfer ({await self._source_exit()})"
+        )
+        killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
+        try:
+            self._ctrl.sendall(b"killed\n")
+        except OSError:
+            pass
+        return Outcome(False, f"{reason}; the container was killed ({killed} processes) rather than run on "
+                              "with missing memory")
+
+    async def _source_exit(self) -> str:
+        if self._source is None:
+            return "not started"
+        try:
+            rc = await asyncio.wait_for(self._source.wait(), 5)
+        except TimeoutError:
+            return "still running"
+        return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+
+    def _close_conn(self) -> None:
+        if self._conn_fd >= 0:
+            os.close(self._conn_fd)
+            self._conn_fd = -1
+
+    async def _finish(self, outcome: Outcome) -> None:
+        if not outcome.ok:
+            await self._stop_daemon()
+        else:
+            await self._wait_daemon(10)
+        if self._source is not None and self._source.returncode is None:
+            if not self._connected and not outcome.ok:
+                self._source.kill()  # it never got a connection: nothing to finish
+            try:
+                await asyncio.wait_for(self._source.wait(), 10)
+            except TimeoutError:
+                self._source.kill()
+                await self._source.wait()
+        if self._ctrl is not None:
+            self._ctrl.close()
+        self.outcome = outcome
+        took = time.monotonic() - self.started_at
+        if outcome.ok:
+            log.info("restore of pod %s, container %s: all %d lazy pages in, %.2fs after the daemon started",
+                     self.pod, self.container, outcome.pages, took,
+                     extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+            _write(os.path.join(self.plan_dir, DONE_FILE),
+                   json.dumps({"pages": outcome.pages, "transfer_seconds": outcome.seconds,
+                               "seconds": round(took, 3)}))
+            shutil.rmtree(self.images, ignore_errors=True)
+        elif self._removed:
+            log.info("restore of pod %s, container %s: removed before it started; its page source stopped",
+                     self.pod, self.container, extra={"pod": self.pod, "container": self.container})
+        else:
+            decisive = self._daemon_log_summary()
+            outcome.message = f"{self.where}: {outcome.message}" + (f"; lazy-pages: {decisive}" if decisive else "")
+            log.error("%s", outcome.message,
+                      extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+            _write(os.path.join(self.plan_dir, FAILED_FILE), outcome.message)
+        self._finished.set()
+
+    def _daemon_log_summary(self) -> str:
+        return "; ".join(logs.read_decisive(os.path.join(self.work, DAEMON_LOG)))
+
+    async def _wait_daemon(self, timeout: float) -> None:
+        if self._daemon is None or self._daemon.returncode is not None:
+            return
+        try:
+            await asyncio.wait_for(self._daemon.wait(), timeout)
+        except TimeoutError:
+            await self._stop_daemon()
+
+    async def _stop_daemon(self) -> None:
+        d = self._daemon
+        if d is None or d.returncode is not None:
+            return
+        try:
+            os.killpg(d.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await d.wait()
+
+    async def cancel(self) -> None:
+        """Stop waiting for a restore that will not come (the container was removed)."""
+        if self._task is not None and not self._task.done() and not self._connected:
+            if self._source is not None and self._source.returncode is None:
+                self._source.kill()
+            await self._finished.wait()
+
+
+def _write(path: str, text: str) -> None:
+    if not os.path.isdir(os.path.dirname(path)):
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError:
+        pass
+
+
+class _ControlReader:
+    """JSON lines (and passed fds) from the page source's control socket, read in a thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.fds: list[int] = []
+
+    def _read_line(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buf:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
+            self.fds.extend(fds)
+            if not data:
+                return None
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return {"event": "error", "message": f"garbled message from the page source: {line[:200]!r}"}
+        return event if isinstance(event, dict) else {"event": "error", "message": "malformed message"}
+
+    async def next(self) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._read_line)
