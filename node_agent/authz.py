@@ -22,7 +22,7 @@ from node_agent.errors import InvalidArgument
 ANY = "*"
 METHODS = frozenset({
     "Checkpoint", "Restore", "ListCheckpoints", "InspectCheckpoint", "RemoveCheckpoint", "VerifyCheckpoint",
-    "GarbageCollect", "Push", "Pull", "Export", "Import",
+    "GarbageCollect", "Push", "Pull", "Export", "Import", "ListDevices", "WatchDevices",
 })
 
 

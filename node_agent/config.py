@@ -31,6 +31,9 @@ class Timeouts:
     # Cleanup that must run (thaw, remove a half-made sandbox).
     cleanup: float = 30.0
     criu_rpc: float = 30.0
+    # How long a lazily restored container may wait for StartContainer
+    # before its page source gives up.
+    lazy_start: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,84 @@ class Retention:
     max_age_seconds: int = 0
     # How often the daemon collects garbage (seconds); 0 turns it off.
     gc_interval: int = 3600
+
+
+_EFFECTS = ("None", "NoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Device health and DRA device taints (docs/devices.md)."""
+
+    enabled: bool = True
+    poll_interval: float = 10.0
+    # A level condition (temperature, narrow link) counts after this many
+    # consecutive polls; events (Xid, rising error counters) count at once.
+    raise_polls: int = 3
+    # A condition is over (and its taint removed) after this long clear.
+    clear_seconds: float = 60.0
+    # For sensors without their own max/crit threshold, degrees Celsius.
+    temperature_max: float = 90.0
+    # Count a temperature this many degrees below its threshold already.
+    temperature_margin: float = 0.0
+    # Many GPUs lower their link speed when idle: off by default.
+    check_link_speed: bool = False
+    xid_ignore: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
+    # The Kubernetes node name (default: $NODE_NAME, else the host name).
+    node_name: str = ""
+    # Cluster credentials: this kubeconfig, else in-cluster, else none.
+    kubeconfig: str = ""
+    # Write DeviceTaintRules when there are credentials.
+    taints: bool = True
+    # The strongest effect a rule may escalate to, and after how long an
+    # unhealthy condition escalates one step (None -> NoSchedule -> NoExecute).
+    max_effect: str = "None"
+    escalate_after: float = 300.0
+    # API-server writes: a token bucket of this rate (per second) and burst.
+    write_rate: float = 0.2
+    write_burst: int = 10
+    # How often ResourceSlices and the agent's own rules are listed again.
+    resync_interval: float = 60.0
+    api_timeout: float = 10.0
+
+
+def parse_devices(value: Any) -> Devices:
+    """The `devices:` section; keys are the field names with dashes."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument("config key 'devices' must be a mapping")
+    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(Devices)}
+    changes: dict[str, Any] = {}
+    for key, val in value.items():
+        fld = fields.get(key) if isinstance(key, str) else None
+        if fld is None:
+            raise InvalidArgument(f"unknown config key 'devices.{key}' (known: {', '.join(sorted(fields))})")
+        name = f"devices.{key}"
+        if fld.type in ("bool", bool):
+            if not isinstance(val, bool):
+                raise InvalidArgument(f"config key {name!r}: expected true or false, got {val!r}")
+            changes[fld.name] = val
+        elif fld.name == "xid_ignore":
+            if not isinstance(val, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in val):
+                raise InvalidArgument(f"config key {name!r}: expected a list of Xid numbers, got {val!r}")
+            changes[fld.name] = tuple(val)
+        elif fld.name == "clear_seconds" or fld.name == "temperature_margin":
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or val < 0:
+                raise InvalidArgument(f"config key {name!r}: expected a non-negative number, got {val!r}")
+            changes[fld.name] = float(val)
+        elif fld.type in ("float", float):
+            changes[fld.name] = _coerce(name, val, float)
+        elif fld.type in ("int", int):
+            changes[fld.name] = _coerce(name, val, int)
+        else:
+            changes[fld.name] = _coerce(name, val, str)
+    d = dataclasses.replace(Devices(), **changes)
+    if d.raise_polls < 1:
+        raise InvalidArgument("devices.raise-polls must be at least 1")
+    if d.write_burst < 1:
+        raise InvalidArgument("devices.write-burst must be at least 1")
+    if d.max_effect not in _EFFECTS:
+        raise InvalidArgument(f"devices.max-effect must be one of {', '.join(_EFFECTS)}")
+    return d
 
 
 @dataclass(frozen=True)
@@ -67,6 +148,10 @@ class Settings:
     # Pre-dump memory while the pod runs where the kernel tracks dirty
     # memory: "auto" (default: where supported), "always" or "never".
     pre_dump: str = "auto"
+    # Restore lazily (containers start at once, their memory streams in
+    # from the store) where CRIU and the kernel support it: "auto" (the
+    # default) or "never". A restore's own `lazy` option overrides this.
+    lazy_restore: str = "auto"
     # The mutual-TLS API listener (HOST:PORT; off when empty), its PEM
     # files (re-read when they change) and who may call what there.
     listen: str = ""
@@ -80,6 +165,14 @@ class Settings:
     metrics_listen: str = ""
     # The CRI endpoint for the kubelet (unix:///path; off when empty).
     cri_listen: str = ""
+    # The interpreter the restore wrapper runs on, as a host path. Empty: the
+    # agent's own, and `serve` writes the wrapper at start. Set (the
+    # DaemonSet, whose agent's Python is not on the host): `install-handler`
+    # writes the wrapper and `serve` leaves it alone.
+    wrapper_python: str = ""
+    # The sysfs tree the device inventory reads.
+    sysfs_root: str = "/sys"
+    devices: Devices = field(default_factory=Devices)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
 
@@ -126,6 +219,7 @@ _PARSED: dict[str, tuple[str, Any]] = {
     "authorization": ("authorization", parse_rules),
     "health-listen": ("health_listen", _listen_value),
     "metrics-listen": ("metrics_listen", _listen_value),
+    "devices": ("devices", parse_devices),
 }
 _TOP_KEYS = {
     f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)
@@ -189,19 +283,23 @@ def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Setti
 
 
 def validate(s: Settings) -> Settings:
-    for name in ("socket", "store", "runc_root"):
+    for name in ("socket", "store", "runc_root", "sysfs_root"):
         if not os.path.isabs(getattr(s, name)):
             raise InvalidArgument(f"{name.replace('_', '-')} must be an absolute path, got {getattr(s, name)!r}")
     if not s.cri_endpoint.startswith(("unix://", "unix:")) and ":" not in s.cri_endpoint:
         raise InvalidArgument(f"cri-endpoint must be a unix:// URL or HOST:PORT, got {s.cri_endpoint!r}")
     if s.cri_listen and not (s.cri_listen.startswith("unix:///") and len(s.cri_listen) > len("unix:///")):
         raise InvalidArgument(f"cri-listen must be a unix:///path URL, got {s.cri_listen!r}")
+    if s.wrapper_python and not os.path.isabs(s.wrapper_python):
+        raise InvalidArgument(f"wrapper-python must be an absolute path, got {s.wrapper_python!r}")
     if s.log_format not in _LOG_FORMATS:
         raise InvalidArgument(f"log-format must be one of {', '.join(_LOG_FORMATS)}")
     if s.log_level not in _LOG_LEVELS:
         raise InvalidArgument(f"log-level must be one of {', '.join(_LOG_LEVELS)}")
     if s.pre_dump not in ("auto", "always", "never"):
         raise InvalidArgument("pre-dump must be auto, always or never")
+    if s.lazy_restore not in ("auto", "never"):
+        raise InvalidArgument("lazy-restore must be auto or never")
     if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
         raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
     return _validate_listeners(s)

@@ -9,13 +9,14 @@ import os
 import shutil
 import signal
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
 from node_agent import errors
+from node_agent import sdnotify
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import SERVER_OPTIONS, Listeners
@@ -27,6 +28,9 @@ from node_agent.metrics import Metrics
 from node_agent.recovery import recover
 from node_agent.restoring import Restorer
 from node_agent.store import Store
+
+if TYPE_CHECKING:
+    from node_agent.devices.monitor import DeviceMonitor
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +77,37 @@ def resolve_runc(s: Settings) -> str:
 
 def install_wrapper(s: Settings) -> str:
     """Write the restore handler's runtime launcher; returns its path."""
-    wrapper.install(s.wrapper_path, python=sys.executable, runc=resolve_runc(s), plans_dir=s.plans_dir)
+    wrapper.install(s.wrapper_path, python=s.wrapper_python or sys.executable, runc=resolve_runc(s), plans_dir=s.plans_dir)
     return s.wrapper_path
+
+
+async def start_devices(s: Settings, metrics: Metrics) -> DeviceMonitor | None:
+    """The device monitor (docs/devices.md), started; None when `devices.enabled` is false."""
+    if not s.devices.enabled:
+        return None
+    from node_agent.devices.monitor import DeviceMonitor, kube_client
+
+    try:
+        kube, status = kube_client(s)
+    except errors.AgentError as exc:
+        log.warning("device taints: %s", exc, extra={"phase": "devices"})
+        kube, status = None, f"error: {exc}"
+    monitor = DeviceMonitor(s, kube=kube, kube_status=status)
+    log.info("device monitor for node %s: sysfs %s, DeviceTaintRules %s", monitor.node, s.sysfs_root, status,
+             extra={"phase": "devices"})
+    metrics.device_health = monitor.counts
+    monitor.start()
+    return monitor
 
 
 async def serve(s: Settings) -> None:
     prepare_dirs(s)
-    install_wrapper(s)
+    if not s.wrapper_python:  # else install-handler wrote it for the host
+        install_wrapper(s)
     store = Store(s.store)
+    from node_agent.registry.fetching import RemoteBlobs
+
+    store.fetcher = RemoteBlobs(store)  # chunks that lazy pulls left in their registries
     report = await asyncio.to_thread(store.recover)
     log.info("store at %s: %s", s.store, report)
     journal = Journal(s.journal_dir)
@@ -101,7 +128,8 @@ async def serve(s: Settings) -> None:
         def gc(dry_run: bool = False) -> Any:
             return store.gc(policy, dry_run=dry_run)
 
-        servicer = AgentServicer(checkpointer, restorer, store, gc)
+        devices = await start_devices(s, metrics)
+        servicer = AgentServicer(checkpointer, restorer, store, gc, devices=devices)
         pb_grpc.add_NodeAgentServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         listeners = Listeners(s, servicer, metrics)
         await listeners.bind(server)
@@ -118,11 +146,13 @@ async def serve(s: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        sdnotify.ready(f"serving on unix://{s.socket}")
         gc_task = (
             asyncio.create_task(periodic_gc(s, gc), name="periodic-gc") if s.retention.gc_interval > 0 else None
         )
         await stop.wait()
         log.info("shutting down")
+        sdnotify.stopping("stopping: letting operations in flight finish")
         if gc_task is not None:
             gc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -131,5 +161,7 @@ async def serve(s: Settings) -> None:
         if cri_listener is not None:
             await cri_listener.stop(grace=s.timeouts.cleanup)
         await listeners.stop(server, grace=s.timeouts.cleanup)
+        if devices is not None:
+            await devices.stop()
     finally:
         await cri.close()

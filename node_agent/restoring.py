@@ -201,10 +201,13 @@ class Restorer:
         self._targets: set[str] = set()
         self.metrics = Metrics()
         self._lazy_support: tuple[bool, str] | None = None
+        # Checkpoints whose CPU check passed on this node (stable while the agent runs).
+        self._cpu_ok: set[str] = set()
         self._lazy_warned = False
         # Lazily restored containers whose pages are still streaming in, by container ID.
         self.lazy_sessions: dict[str, LazySession] = {}
         self._op_sessions: dict[str, list[LazySession]] = {}
+        self._lazy_tasks: set[asyncio.Task[None]] = set()
 
     @instrumented("restore")
     async def restore(
@@ -377,11 +380,12 @@ class Restorer:
             options = saved.options + tuple(sorted(k for k in req.options if k != "lazy"))
             await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, options, lazy)
             if lazy:
-                session = LazySession(self.settings, where, cname, cid, record.id, plan_dir,
-                                      (req.source or self.store).root)
+                store = req.source or self.store
+                session = LazySession(self.settings, where, cname, cid, record.id, plan_dir, store.root,
+                                      passwords=_passwords_for(store, record.id))
                 self._op_sessions.setdefault(entry.op_id, []).append(session)
                 await session.start()
-                self._track(session)
+                self._track(session, store)
             created.append((cname, cid))
             progress(Progress("create", i + 1, len(saved.containers), message=cname))
 
@@ -418,6 +422,8 @@ class Restorer:
             raise errors.ResourceExhausted(
                 f"restore of {record.id}: {free >> 20} MiB free under {self.settings.plans_dir}, need {need >> 20} MiB"
             )
+        if record.id in self._cpu_ok:
+            return  # this node's CPU already passed this checkpoint's check
         tmp = os.path.join(self.settings.work_dir, "cpuinfo-" + secrets.token_hex(4))
         os.makedirs(tmp, mode=0o700)
         try:
@@ -429,6 +435,9 @@ class Restorer:
                     f"restore of {record.id}: this node's CPU lacks features the checkpoint's processes use: "
                     + "; ".join(exc.decisive)
                 ) from exc
+            if len(self._cpu_ok) >= 1024:
+                self._cpu_ok.clear()
+            self._cpu_ok.add(record.id)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -445,14 +454,23 @@ class Restorer:
         except BridgeError as exc:
             raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
-    def _track(self, session: LazySession) -> None:
+    def _track(self, session: LazySession, store: Store) -> None:
         self.lazy_sessions[session.container_id] = session
 
         async def forget() -> None:
-            await session.wait()
+            outcome = await session.wait()
             self.lazy_sessions.pop(session.container_id, None)
+            if outcome.ok and store.origin(session.checkpoint_id) is not None:
+                try:
+                    if await asyncio.to_thread(store.settle_origin, session.checkpoint_id):
+                        log.info("checkpoint %s: every blob is in the store now", session.checkpoint_id,
+                                 extra={"checkpoint": session.checkpoint_id})
+                except errors.AgentError as exc:
+                    log.warning("checkpoint %s: %s", session.checkpoint_id, exc)
 
-        asyncio.create_task(forget(), name=f"lazy done {session.container_id[:13]}")
+        task = asyncio.create_task(forget(), name=f"lazy done {session.container_id[:13]}")
+        self._lazy_tasks.add(task)
+        task.add_done_callback(self._lazy_tasks.discard)
 
     def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
@@ -558,3 +576,15 @@ def write_sparse_pages(store: Store, record: CheckpointRecord, staging: str, pat
         os.fchmod(fd, entry.mode & 0o777)
     finally:
         os.close(fd)
+
+
+def _passwords_for(store: Store, checkpoint_id: str) -> dict[str, str]:
+    """The remembered password for a lazily pulled checkpoint's registry, if any (for its page source)."""
+    from node_agent.registry.fetching import RemoteBlobs, repository_key
+
+    origin = store.origin(checkpoint_id)
+    fetcher = store.fetcher
+    if origin is None or not isinstance(fetcher, RemoteBlobs):
+        return {}
+    key = repository_key(str(origin["reference"]))
+    return {key: fetcher.passwords[key]} if key in fetcher.passwords else {}

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import grpc
 
@@ -17,6 +17,9 @@ from node_agent.api import convert
 from node_agent.checkpointing import Checkpointer, CheckpointRequest, Progress
 from node_agent.restoring import Restorer, RestoreRequest
 from node_agent.store import Store
+
+if TYPE_CHECKING:
+    from node_agent.devices.monitor import DeviceMonitor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,12 +41,16 @@ def _timeout(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class AgentServicer(pb_grpc.NodeAgentServicer):
-    def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store, gc: Callable[..., Any]) -> None:
+    def __init__(
+        self, checkpointer: Checkpointer, restorer: Restorer, store: Store, gc: Callable[..., Any],
+        devices: DeviceMonitor | None = None,
+    ) -> None:
         self.settings = checkpointer.settings
         self.checkpointer = checkpointer
         self.restorer = restorer
         self.store = store
         self.gc = gc
+        self.devices = devices
 
     async def _stream(
         self,
@@ -194,9 +201,20 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
         creds = _creds(request.credentials)
         store = self.store
+        defer = None
+        if request.lazy:
+            from node_agent.lazy.remote import memory_chunks
+
+            def defer(digest: str, size: int) -> set[str]:
+                return memory_chunks(store, digest, size)
+
+        from node_agent.registry.fetching import RemoteBlobs, repository_key
 
         def fn(progress: Callable[[Any], None]) -> Any:
-            return registry.pull(store, request.reference, creds, progress=progress)
+            if defer is not None and isinstance(store.fetcher, RemoteBlobs) and creds.password:
+                # The password stays in memory, for the chunks fetched later.
+                store.fetcher.passwords[repository_key(request.reference)] = creds.password
+            return registry.pull(store, request.reference, creds, progress=progress, defer=defer)
 
         async for ev in self._transfer(context, fn, request.reference):
             yield ev
@@ -228,6 +246,25 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             criu=s.criu, work_dir=s.work_dir,
         ))
         return convert.checkpoint_info(rec)
+
+    async def _device_monitor(self, context: grpc.aio.ServicerContext) -> DeviceMonitor:
+        if self.devices is None:
+            await abort_with(context, errors.FailedPrecondition("device monitoring is off (devices.enabled: false)"))
+            raise AssertionError("unreachable")
+        return self.devices
+
+    async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext) -> pb.DeviceSnapshot:
+        from node_agent.api import devices as convert_devices
+
+        monitor = await self._device_monitor(context)
+        return convert_devices.snapshot(monitor.snapshot())
+
+    async def WatchDevices(self, request: pb.WatchDevicesRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DeviceSnapshot]:
+        from node_agent.api import devices as convert_devices
+
+        monitor = await self._device_monitor(context)
+        async for snap in monitor.watch():
+            yield convert_devices.snapshot(snap)
 
 
 def _creds(c: pb.RegistryCredentials) -> Any:

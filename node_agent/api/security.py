@@ -211,6 +211,18 @@ class AuthorizedServicer(pb_grpc.NodeAgentServicer):
         async for ev in self.inner.Restore(pinned, context):
             yield ev
 
+    async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext) -> pb.DeviceSnapshot:
+        # Devices are the node's, not a namespace's: the rule must cover every namespace.
+        who = await self._caller(context, "ListDevices")
+        await self._check(context, who, "ListDevices", authz.ANY)
+        return await self.inner.ListDevices(request, context)
+
+    async def WatchDevices(self, request: pb.WatchDevicesRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DeviceSnapshot]:
+        who = await self._caller(context, "WatchDevices")
+        await self._check(context, who, "WatchDevices", authz.ANY)
+        async for snap in self.inner.WatchDevices(request, context):
+            yield snap
+
     async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:
         who = await self._caller(context, "ListCheckpoints")
         if request.pod_namespace:

@@ -2,15 +2,26 @@
 
 One line per check: OK, WARN or FAIL, with what to do about anything that
 isn't OK. Exits 0 when nothing FAILs. Works without a running daemon.
+
+`--deployment` adds what a systemd unit or a DaemonSet pod must provide: the
+host's sockets and paths mounted at the same place, privileges that are not
+filtered away, CRIU's optional features, the restore handler registered in
+containerd's config (and loaded) with its wrapper runnable on the host, API
+credentials for device taints, and NVML on nodes with NVIDIA GPUs. Host paths
+are looked up under `--host-root` (a pod mounts the host's `/` there).
+Reads files and runs `criu`; never changes anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import ctypes.util
+import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -28,6 +39,11 @@ class Check:
     name: str
     verdict: str  # OK / WARN / FAIL
     detail: str
+    fix: str = ""  # what to do about it (not for OK)
+
+    def line(self) -> str:
+        fix = f"; fix: {self.fix}" if self.fix and self.verdict != "OK" else ""
+        return f"{self.verdict:<4} {self.name}: {self.detail}{fix}"
 
 
 def _caps() -> int:
@@ -160,13 +176,399 @@ def run_checks(s: Settings) -> list[Check]:
     return checks
 
 
+# ---- --deployment ----------------------------------------------------------------
+
+CONTAINERD_CONFIG = "/etc/containerd/config.toml"
+NVIDIA_VENDOR = "0x10de"
+CAP_DAC_OVERRIDE = 1
+CAP_NET_ADMIN = 12
+CAP_SYS_PTRACE = 19
+_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True)
+class Mount:
+    point: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+    out = []
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                pre, _, post = line.partition(" - ")
+                fields, tail = pre.split(), post.split()
+                if len(fields) >= 5 and len(tail) >= 2:
+                    out.append(Mount(_unescape(fields[4]), tail[0], tail[1]))
+    except OSError:
+        pass
+    return out
+
+
+def mount_of(path: str, table: list[Mount]) -> Mount | None:
+    """The mount `path` lies on (the longest mount point above it)."""
+    path = os.path.realpath(path)
+    best: Mount | None = None
+    for m in table:
+        p = m.point.rstrip("/") or "/"
+        if (path == p or path.startswith(p.rstrip("/") + "/")) and (best is None or len(p) >= len(best.point)):
+            best = m
+    return best
+
+
+def in_container(table: list[Mount]) -> bool:
+    """Whether this process runs in a container (its root is an image, not the host's)."""
+    if os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv") or os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return True
+    root = mount_of("/", table)
+    return root is not None and root.fstype == "overlay"
+
+
+def _status_field(name: str) -> str:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _host(host_root: str, path: str) -> str:
+    return path if host_root in ("", "/") else os.path.join(host_root, path.lstrip("/"))
+
+
+def _processes(name: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm", encoding="utf-8", errors="replace") as fh:
+                if fh.read().strip() == name:
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _mount_checks(s: Settings, table: list[Mount], contained: bool) -> list[Check]:
+    out: list[Check] = []
+    mount_fix = "mount the host's {p} at {p} (hostPath) in the agent's container"
+
+    def from_host(path: str) -> bool:
+        if not contained:
+            return True
+        m = mount_of(path, table)
+        return m is not None and m.point != "/"
+
+    sock = s.cri_endpoint.removeprefix("unix://").removeprefix("unix:")
+    if s.cri_endpoint.startswith("unix"):
+        if os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode):
+            out.append(Check("mount cri socket", "OK", sock))
+        else:
+            out.append(Check("mount cri socket", "FAIL", f"no socket at {sock}",
+                             mount_fix.format(p=os.path.dirname(sock)) if contained else "start containerd, or pass --cri-endpoint"))
+    runc_parent = os.path.dirname(s.runc_root.rstrip("/"))
+    if os.path.isdir(s.runc_root) and from_host(s.runc_root):
+        out.append(Check("mount runc root", "OK", s.runc_root))
+    elif os.path.isdir(runc_parent) and from_host(runc_parent):
+        out.append(Check("mount runc root", "WARN", f"{s.runc_root} does not exist yet (runc creates it with the first container)",
+                         "none needed if containerd has run no container yet; else check runc-root"))
+    else:
+        out.append(Check("mount runc root", "FAIL", f"{runc_parent} is not the host's runc state",
+                         mount_fix.format(p=runc_parent) if contained else "check runc-root against containerd's runc options Root"))
+    if not os.path.isdir(s.store):
+        out.append(Check("mount store", "FAIL" if contained else "WARN", f"{s.store} does not exist",
+                         mount_fix.format(p=s.store) if contained else "`node-agent serve` creates it"))
+    elif not from_host(s.store):
+        out.append(Check("mount store", "FAIL", f"{s.store} lies in the container's own filesystem: checkpoints and restore plans "
+                         "would not reach the host's wrapper", mount_fix.format(p=s.store)))
+    else:
+        out.append(Check("mount store", "OK", s.store))
+    cg = mount_of("/sys/fs/cgroup", table)
+    if cg is not None and cg.fstype in ("cgroup2", "tmpfs", "cgroup"):
+        out.append(Check("mount /sys", "OK", f"/sys/fs/cgroup ({'v2' if cg.fstype == 'cgroup2' else 'v1'})"))
+    else:
+        out.append(Check("mount /sys", "FAIL", "no cgroup hierarchy at /sys/fs/cgroup", mount_fix.format(p="/sys")))
+    dev = mount_of("/dev", table)
+    if not contained or (dev is not None and dev.fstype == "devtmpfs"):
+        out.append(Check("mount /dev", "OK", "the host's /dev"))
+    else:
+        out.append(Check("mount /dev", "WARN", "the container's own /dev: devices added later (GPUs, disks) are not seen",
+                         mount_fix.format(p="/dev")))
+    if _processes("containerd"):
+        out.append(Check("host pids", "OK", "the host's processes are visible (containerd found in /proc)"))
+    else:
+        out.append(Check("host pids", "FAIL", "no containerd process in /proc: the containers' processes cannot be frozen or dumped",
+                         "run in the host's PID namespace (hostPID: true; podman --pid=host)"))
+    return out
+
+
+def _privilege_checks() -> list[Check]:
+    out: list[Check] = []
+    caps = _caps()
+    missing = [n for n, b in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN), ("CAP_SYS_PTRACE", CAP_SYS_PTRACE),
+                              ("CAP_DAC_OVERRIDE", CAP_DAC_OVERRIDE), ("CAP_NET_ADMIN", CAP_NET_ADMIN)) if not caps & (1 << b)]
+    if missing:
+        out.append(Check("capabilities", "FAIL", f"missing {', '.join(missing)}",
+                         "run privileged (securityContext.privileged: true), or as root without a capability bounding set"))
+    else:
+        out.append(Check("capabilities", "OK", "CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_DAC_OVERRIDE, CAP_NET_ADMIN"))
+    seccomp = _status_field("Seccomp")
+    if seccomp in ("", "0"):
+        out.append(Check("seccomp", "OK", "no seccomp filter"))
+    else:
+        out.append(Check("seccomp", "FAIL", f"a seccomp filter is active (mode {seccomp}): CRIU's ptrace and parasite calls are blocked",
+                         "run privileged, or seccompProfile: Unconfined"))
+    if _status_field("NoNewPrivs") not in ("", "0"):
+        out.append(Check("no_new_privs", "WARN", "no_new_privs is set: runc and CRIU inherit it",
+                         "drop NoNewPrivileges / allowPrivilegeEscalation: false"))
+    try:
+        with open("/proc/self/attr/current", encoding="utf-8") as fh:
+            label = fh.read().strip("\0\n ")
+    except OSError:
+        label = ""
+    if label and label != "unconfined" and not label.startswith("unconfined"):
+        out.append(Check("lsm", "WARN", f"confined by {label!r}: ptrace and mounts may be refused",
+                         "run privileged (AppArmor/SELinux unconfined)"))
+    return out
+
+
+def _lazy_check(s: Settings) -> Check:
+    path = s.criu if os.path.isabs(s.criu) else shutil.which(s.criu)
+    if not path:
+        return Check("lazy restore", "WARN", "unavailable (falls back to full restore): no criu", "install CRIU >= 4.2")
+    try:
+        cp = subprocess.run([path, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {exc}", "check `criu check --feature uffd-noncoop`")
+    if cp.returncode == 0:
+        return Check("lazy restore", "OK", "available (criu check --feature uffd-noncoop)")
+    why = (cp.stdout + cp.stderr).strip().splitlines()
+    return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {why[-1] if why else 'uffd-noncoop unsupported'}",
+                 "a kernel with userfaultfd (CONFIG_USERFAULTFD) and vm.unprivileged_userfaultfd or CAP_SYS_PTRACE")
+
+
+def _start_time(pid: int) -> float | None:
+    """When a process started (seconds since the epoch)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _containerd_loaded(config_host_path: str, config_mtime: float) -> Check | None:
+    """FAIL when every containerd using this config started before it last changed."""
+    starts = []
+    for pid in _processes("containerd"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            continue
+        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")), None)
+        given = given or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+        if (given or CONTAINERD_CONFIG) == config_host_path:
+            started = _start_time(pid)
+            if started is not None:
+                starts.append(started)
+    if not starts:
+        return None
+    if max(starts) + 1 < config_mtime:
+        return Check("handler loaded", "FAIL", f"containerd started before {config_host_path} last changed: the handler is not loaded",
+                     "restart containerd (systemctl restart containerd)")
+    return Check("handler loaded", "OK", "containerd started after its config last changed")
+
+
+def _interpreter(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    parts = first[2:].decode(errors="replace").split()
+    return parts[0] if parts else None
+
+
+def _wrapper_runc(path: str) -> str | None:
+    """The runc a launcher written by criu_bridge.wrapper.install runs."""
+    import re
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            m = re.search(r"\bmain\((['\"])(/[^'\"]+)\1", fh.read(4096))
+    except OSError:
+        return None
+    return m.group(2) if m else None
+
+
+def _handler_checks(s: Settings, config_path: str, host_root: str) -> list[Check]:
+    import tomllib
+
+    where = _host(host_root, config_path)
+    fix = "run `node-agent install-handler` (DaemonSet: its init container) or append `node-agent containerd-config`, then restart containerd"
+    try:
+        with open(where, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        return [Check("handler", "FAIL", f"no containerd config at {config_path}", fix)]
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return [Check("handler", "FAIL", f"cannot read {config_path}: {exc}", "fix containerd's config")]
+    runtimes = doc.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
+    rt = runtimes.get(s.runtime_handler)
+    if not isinstance(rt, dict):
+        return [Check("handler", "FAIL", f"runtime handler {s.runtime_handler!r} is not in {config_path}", fix)]
+    out: list[Check] = []
+    opts = rt.get("options", {})
+    binary = str(opts.get("BinaryName", ""))
+    root = str(opts.get("Root", ""))
+    expect_root = os.path.dirname(s.runc_root.rstrip("/"))
+    if root and os.path.normpath(root) != os.path.normpath(expect_root):
+        out.append(Check("handler", "FAIL", f"{s.runtime_handler!r} has Root {root}, but runc-root is {s.runc_root}",
+                         f"set Root = \"{expect_root}\" (or runc-root) so both agree"))
+    else:
+        out.append(Check("handler", "OK", f"{s.runtime_handler!r} in {config_path}"))
+    host_binary = _host(host_root, binary) if binary else ""
+    if not binary:
+        out.append(Check("wrapper", "FAIL", f"{s.runtime_handler!r} has no options.BinaryName", fix))
+    elif not os.access(host_binary, os.X_OK):
+        out.append(Check("wrapper", "FAIL", f"{binary} is missing or not executable on the host", fix))
+    else:
+        interp = _interpreter(host_binary)
+        runc = _wrapper_runc(host_binary)
+        if interp and not os.access(_host(host_root, interp), os.X_OK):
+            out.append(Check("wrapper", "FAIL", f"{binary} runs on {interp}, which the host lacks",
+                             "run `node-agent install-handler --runtime-bundle /opt/node-agent/runtime` (the image's init container does)"))
+        elif runc and not os.access(_host(host_root, runc), os.X_OK):
+            out.append(Check("wrapper", "FAIL", f"{binary} runs {runc}, which the host lacks",
+                             "run `node-agent install-handler --runc PATH` with the host's runc"))
+        else:
+            out.append(Check("wrapper", "OK", f"{binary} executable on the host" + (f" (on {interp})" if interp else "")))
+    try:
+        loaded = _containerd_loaded(config_path, os.stat(where).st_mtime)
+    except OSError:
+        loaded = None
+    if loaded is not None:
+        out.append(loaded)
+    return out
+
+
+def _credentials_check(kubeconfig: str = "", needed: bool = True) -> Check:
+    if not needed:
+        return Check("api credentials", "OK", "not needed: device taints are off (devices.enabled / devices.taints)")
+    if kubeconfig:
+        if os.path.isfile(kubeconfig):
+            return Check("api credentials", "OK", f"kubeconfig {kubeconfig} (devices.kubeconfig)")
+        return Check("api credentials", "WARN", f"devices.kubeconfig {kubeconfig} does not exist: device taints cannot be published",
+                     "mount the kubeconfig there, or remove devices.kubeconfig to use the in-cluster service account")
+    token = os.path.join(_SA_DIR, "token")
+    if os.path.exists(token) and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return Check("api credentials", "OK", f"in-cluster service account ({_SA_DIR})")
+    kubeconfig = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    for path in kubeconfig.split(":"):
+        if path and os.path.isfile(path):
+            return Check("api credentials", "OK", f"kubeconfig {path}")
+    return Check("api credentials", "WARN",
+                 "no in-cluster service account and no kubeconfig: device taints cannot be published (checkpoint and restore need none)",
+                 "run with the node-agent ServiceAccount (deploy/), or set KUBECONFIG")
+
+
+def nvidia_gpus(sysfs: str = "/sys") -> list[str]:
+    """PCI addresses of NVIDIA devices (vendor 0x10de) of display/3D class."""
+    base = os.path.join(sysfs, "bus", "pci", "devices")
+    found = []
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return []
+    for bdf in entries:
+        try:
+            with open(os.path.join(base, bdf, "vendor"), encoding="ascii") as fh:
+                vendor = fh.read().strip().lower()
+            with open(os.path.join(base, bdf, "class"), encoding="ascii") as fh:
+                klass = fh.read().strip().lower()
+        except OSError:
+            continue
+        if vendor == NVIDIA_VENDOR and klass.startswith("0x03"):
+            found.append(bdf)
+    return found
+
+
+def _nvml_init() -> str | None:
+    """None when NVML loads and initialises; else why not."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError as exc:
+        return f"libnvidia-ml.so.1 does not load ({exc})"
+    rc = int(lib.nvmlInit_v2())
+    if rc != 0:
+        return f"nvmlInit_v2 failed with NVML error {rc}"
+    lib.nvmlShutdown()
+    return None
+
+
+def _nvml_check(sysfs: str = "/sys", init: Callable[[], str | None] = _nvml_init) -> Check:
+    gpus = nvidia_gpus(sysfs)
+    if not gpus:
+        return Check("nvml gpus", "OK", "no NVIDIA GPU (PCI vendor 0x10de) on this node")
+    problem = init()
+    if problem:
+        return Check("nvml gpus", "FAIL", f"{len(gpus)} NVIDIA GPU(s) ({', '.join(gpus[:4])}) but {problem}: they cannot be monitored",
+                     "install the NVIDIA driver on the node and make libnvidia-ml.so.1 visible to the agent "
+                     "(NVIDIA container toolkit, or mount the driver's library directory)")
+    return Check("nvml gpus", "OK", f"NVML answers for {len(gpus)} NVIDIA GPU(s)")
+
+
+def deployment_checks(s: Settings, base: list[Check], *, containerd_config: str = CONTAINERD_CONFIG,
+                      host_root: str = "/") -> list[Check]:
+    """`base` (run_checks) and the installation's checks; a CRI that does not answer FAILs here."""
+    table = mounts()
+    contained = in_container(table)
+    # The installation's own checks below replace these, more precisely.
+    replaced = {"lazy-pages", "store", "nvml"}
+    out = [dataclasses.replace(c, verdict="FAIL") if c.name == "cri" and c.verdict == "WARN" else c
+           for c in base if c.name not in replaced]
+    out.append(Check("environment", "OK", "a container" if contained else "the host"))
+    out.extend(_mount_checks(s, table, contained))
+    out.extend(_privilege_checks())
+    out.append(_lazy_check(s))
+    out.extend(_handler_checks(s, containerd_config, host_root))
+    out.append(_credentials_check(s.devices.kubeconfig, s.devices.enabled and s.devices.taints))
+    out.append(_nvml_check())
+    return out
+
+
 def add_parser(sub: Any, parent: argparse.ArgumentParser, settings_from: Callable[[argparse.Namespace], Settings]) -> None:
     p = sub.add_parser("doctor", parents=[parent], help="check this node for checkpoint/restore")
+    p.add_argument("--deployment", action="store_true",
+                   help="also check the installation: mounts, privileges, CRIU features, the containerd handler, "
+                        "API credentials, NVML")
+    p.add_argument("--containerd-config", metavar="FILE", default=CONTAINERD_CONFIG,
+                   help=f"containerd's config, a host path (default {CONTAINERD_CONFIG}; --deployment)")
+    p.add_argument("--host-root", metavar="DIR", default="/",
+                   help="where the host's / is visible (the DaemonSet mounts it at /host; --deployment)")
 
     def run(args: argparse.Namespace) -> int:
-        checks = run_checks(settings_from(args))
+        s = settings_from(args)
+        checks = run_checks(s)
+        if args.deployment:
+            checks = deployment_checks(s, checks, containerd_config=args.containerd_config, host_root=args.host_root)
         for c in checks:
-            sys.stdout.write(f"{c.verdict:<4} {c.name}: {c.detail}\n")
+            sys.stdout.write(c.line() + "\n")
         return 1 if any(c.verdict == "FAIL" for c in checks) else 0
 
     p.set_defaults(func=run)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from node_agent import errors
-from node_agent.cli import checkpoints, containerd_config, doctor, transfer
+from node_agent.cli import checkpoints, containerd_config, devices, doctor, install_systemd, transfer
 from node_agent.cli.client import ENV_SOCKET, CliError, use_remote
 from node_agent.config import load
 
@@ -35,7 +35,7 @@ def settings_from(args: argparse.Namespace) -> Any:
     return load(args.config, {k: getattr(args, k, None) for k in keys + _LISTENER_KEYS})
 
 
-_LISTENER_KEYS = ("listen", "tls_cert", "tls_key", "tls_client_ca", "health_listen", "metrics_listen")
+_LISTENER_KEYS = ("listen", "tls_cert", "tls_key", "tls_client_ca", "health_listen", "metrics_listen", "sysfs_root")
 
 
 def add_listener_flags(p: argparse.ArgumentParser) -> None:
@@ -70,11 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", parents=[sp], help="run the daemon")
     add_listener_flags(p)
+    p.add_argument("--sysfs-root", metavar="DIR", help="the sysfs tree the device inventory reads (default /sys)")
     p.set_defaults(func=cmd_serve)
     checkpoints.add_parsers(sub, common)
     transfer.add_parsers(sub, common)
+    devices.add_parsers(sub, common)
     doctor.add_parser(sub, sp, settings_from)
     containerd_config.add_parser(sub, None, settings_from)
+    install_systemd.add_parsers(sub, sp, settings_from)
     return ap
 
 

@@ -43,7 +43,8 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    r = stream_result(args, "Pull", pb.PullRequest(reference=args.reference, credentials=_credentials(args)))
+    r = stream_result(args, "Pull", pb.PullRequest(reference=args.reference, credentials=_credentials(args),
+                                                   lazy=args.lazy))
     if args.output == "json":
         output.emit(output.as_dict(r), "json")
     else:
@@ -94,6 +95,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("pull", parents=[common], help="pull a checkpoint from an OCI registry into the store")
     p.add_argument("reference", metavar="REGISTRY/REPO:TAG|REGISTRY/REPO@sha256:...")
+    p.add_argument("--lazy", action="store_true",
+                   help="leave the memory images in the registry; a lazy restore fetches their pages on demand")
     _registry_flags(p)
     p.set_defaults(func=cmd_pull)
 

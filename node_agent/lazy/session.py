@@ -64,6 +64,8 @@ class LazySession:
     checkpoint_id: str
     plan_dir: str
     store_root: str
+    # Passwords for the registry a lazily pulled checkpoint's pages come from.
+    passwords: dict[str, str] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _daemon: asyncio.subprocess.Process | None = None
@@ -110,17 +112,21 @@ class LazySession:
             if not ready:
                 await self._stop_daemon()
                 raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
-            self._source = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "node_agent.lazy.source",
+            errlog = os.open(os.path.join(self.work, "page-source.log"),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            try:
+                self._source = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "node_agent.lazy.source",
                 "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
-                "--images", self.images, "--peer-pid", str(self._daemon.pid),
-                "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
-                "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
-                "--start-timeout", str(self.settings.timeouts.lazy_start),
-                pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=open(os.path.join(self.work, "page-source.log"), "ab"),  # noqa: SIM115 - handed to the child
-            )
+                    "--images", self.images, "--peer-pid", str(self._daemon.pid),
+                    "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
+                    "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
+                    "--start-timeout", str(self.settings.timeouts.lazy_start),
+                    pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errlog,
+                )
+            finally:
+                os.close(errlog)
         except BaseException:
             await self._stop_daemon()
             ours.close()
@@ -132,6 +138,10 @@ class LazySession:
             if status_w >= 0:
                 os.close(status_w)
         self._ctrl = ours
+        try:
+            ours.sendall((json.dumps({"passwords": self.passwords}) + "\n").encode())
+        except OSError:
+            pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
 
     async def wait(self) -> Outcome:
@@ -227,6 +237,10 @@ class LazySession:
                 await self._source.wait()
         if self._ctrl is not None:
             self._ctrl.close()
+        try:
+            os.unlink(os.path.join(self.work, SOCKET_NAME))
+        except OSError:
+            pass
         self.outcome = outcome
         took = time.monotonic() - self.started_at
         if outcome.ok:
@@ -242,10 +256,11 @@ class LazySession:
                      self.pod, self.container, extra={"pod": self.pod, "container": self.container})
         else:
             decisive = self._daemon_log_summary()
-            outcome.message = f"{self.where}: {outcome.message}" + (f"; lazy-pages: {decisive}" if decisive else "")
+            reason = outcome.message + (f"; lazy-pages: {decisive}" if decisive else "")
+            outcome.message = f"{self.where}: {reason}"
             log.error("%s", outcome.message,
                       extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
-            _write(os.path.join(self.plan_dir, FAILED_FILE), outcome.message)
+            _write(os.path.join(self.plan_dir, FAILED_FILE), reason)
         self._finished.set()
 
     def _daemon_log_summary(self) -> str:

@@ -36,15 +36,18 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
 from node_agent.errors import AgentError
 from node_agent.lazy import pagemap, protocol
 from node_agent.lazy.kill import kill_container
+from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import Store
 from node_agent.store.blobs import BlobStore
-from node_agent.store.manifest import FileEntry
+from node_agent.store.manifest import Chunk, FileEntry
+from node_agent.store.reading import read_or_fetch
 
 log = logging.getLogger("node_agent.lazy.source")
 
@@ -59,8 +62,12 @@ class SourceError(Exception):
 class ChunkCache:
     """Verified, decoded chunks of one file: a small LRU plus read-ahead in threads."""
 
-    def __init__(self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
+        fetch: Callable[[Chunk], None] | None = None,
+    ) -> None:
         self.blobs = blobs
+        self.fetch = fetch
         self.checkpoint_id = checkpoint_id
         self.entry = entry
         self.offsets = [c.offset for c in entry.chunks]
@@ -71,7 +78,7 @@ class ChunkCache:
     def _load(self, index: int) -> bytes:
         chunk = self.entry.chunks[index]
         try:
-            return self.blobs.read_chunk(chunk)
+            return read_or_fetch(self.blobs, chunk, self.fetch)
         except AgentError as exc:
             raise SourceError(
                 f"checkpoint {self.checkpoint_id}: {self.entry.path} at offset {chunk.offset}: {exc}"
@@ -184,7 +191,7 @@ class Source:
             entry = record.entry(path)
             if entry.size != pm.pages_size:
                 raise SourceError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool)
+            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.fetch_for(record.id))
             self.total += pm.lazy_pages
         self.served = 0
         self.requests = 0
@@ -232,6 +239,26 @@ def _tell(ctrl: socket.socket, event: dict[str, object], fds: list[int] | None =
             ctrl.sendall(data)
     except OSError:
         pass  # the agent is gone; serving goes on without it
+
+
+def _read_json_line(ctrl: socket.socket, timeout: float) -> dict[str, object]:
+    ctrl.settimeout(timeout)
+    buf = b""
+    try:
+        while not buf.endswith(b"\n") and len(buf) < 1 << 16:
+            got = ctrl.recv(1)
+            if not got:
+                break
+            buf += got
+    except OSError:
+        pass
+    finally:
+        ctrl.settimeout(None)
+    try:
+        doc = json.loads(buf or b"{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _wait_for(ctrl: socket.socket, word: bytes, timeout: float | None) -> bool:
@@ -303,7 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     conn: socket.socket | None = None
     source: Source | None = None
     try:
-        source = Source(Store(args.store), args.checkpoint, args.container, args.images)
+        # First line from the agent: what this process may not take from its
+        # command line (passwords for a lazily pulled checkpoint's registry).
+        config = _read_json_line(ctrl, 30)
+        store = Store(args.store)
+        given = config.get("passwords")
+        passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
+        store.fetcher = RemoteBlobs(store, passwords=passwords)
+        source = Source(store, args.checkpoint, args.container, args.images)
         conn = accept_peer(listener, args.peer_pid, args.start_timeout)
         listener.close()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

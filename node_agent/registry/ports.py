@@ -6,7 +6,7 @@ nothing here imports the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import BinaryIO, Protocol
@@ -56,13 +56,17 @@ class BlobImporter(Protocol):
     def add_blob(self, digest: str, size: int, stream: Iterable[bytes]) -> None:
         """Store a verified blob; one already present is recorded without reading ``stream``."""
 
-    def commit(self, manifest: bytes) -> Record: ...
+    def commit(self, manifest: bytes, *, deferred: Collection[str] = ()) -> Record: ...
 
     def abort(self) -> None: ...
 
 
 class BlobSink(Protocol):
     """The store, as pulling sees it."""
+
+    def set_origin(self, checkpoint_id: str, origin: Mapping[str, object]) -> None: ...
+
+    def settle_origin(self, checkpoint_id: str) -> bool: ...
 
     def importer(self) -> BlobImporter: ...
 

@@ -11,7 +11,7 @@ garbage collection), so running it again fetches only the rest.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Collection, Generator
 
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
 from node_agent.registry.auth import Credentials
@@ -24,6 +24,14 @@ from node_agent.registry.transport import Session
 log = logging.getLogger(__name__)
 
 
+def recorded_origin(reference: str, creds: Credentials) -> dict[str, object]:
+    """What a store records about where a lazily pulled checkpoint's blobs are (never the password)."""
+    return {
+        "reference": reference, "username": creds.username, "ca_file": creds.ca_file,
+        "plain_http": creds.plain_http, "insecure_skip_verify": creds.insecure_skip_verify,
+    }
+
+
 def pull(
     store: BlobSink,
     ref: str | Reference,
@@ -31,10 +39,15 @@ def pull(
     *,
     progress: ProgressCallback | None = None,
     timeout: float = 60.0,
+    defer: Callable[[str, int], Collection[str]] | None = None,
 ) -> PullReport:
     """Pull ``ref`` (``host/repo:tag`` or ``host/repo@sha256:...``) into ``store``; returns once it is published.
 
-    ``timeout`` bounds every socket operation. Safe to run again after any failure.
+    ``timeout`` bounds every socket operation. Safe to run again after any
+    failure. A lazy pull passes ``defer``: given the config blob (digest,
+    size), once it is in the store, it names the blobs to leave in the
+    registry; the store records the registry as their origin and readers
+    fetch them on demand (`fetching`).
     """
     reference = parse_reference(ref)
     if reference.tag is None and reference.digest is None:
@@ -43,20 +56,31 @@ def pull(
     with Session(reference, creds, timeout=timeout, actions="pull") as session:
         tally.report("manifest")
         manifest, digest = _get_manifest(session)
-        blobs = unique_blobs((b.digest, b.size) for b in parse_manifest(manifest))
-        tally.plan([size for _, size in blobs])
+        refs = parse_manifest(manifest)
+        blobs = unique_blobs((b.digest, b.size) for b in refs)
+        deferred: set[str] = set()
         with store.importer() as importer:
+            if defer is not None:
+                config = refs[0]
+                _import_blob(session, importer, config.digest, config.size, digest, Tally(None))
+                deferred = set(defer(config.digest, config.size)) - {config.digest}
+                blobs = [(d, size) for d, size in blobs if d not in deferred]
+                store.set_origin(digest, recorded_origin(f"{reference.registry}/{reference.repository}@{digest}", creds))
+            tally.plan([size for _, size in blobs])
             tally.report("blobs")
             for blob_digest, size in blobs:
                 _import_blob(session, importer, blob_digest, size, digest, tally)
             tally.report("commit")
-            record = importer.commit(manifest)
+            record = importer.commit(manifest, deferred=deferred)
+        if not deferred:
+            store.settle_origin(digest)
     if record.id != digest:
         raise Internal(f"the store published manifest {digest} as {record.id}")
     tally.report("done")
     log.info(
-        "pulled %s as checkpoint %s: %d blob(s) downloaded (%d bytes), %d already here",
+        "pulled %s as checkpoint %s: %d blob(s) downloaded (%d bytes), %d already here%s",
         reference, digest, tally.moved, tally.bytes_moved, tally.skipped,
+        f", {len(deferred)} left in the registry until needed" if deferred else "",
     )
     return PullReport(digest, tally.moved, tally.skipped, tally.bytes_moved)
 

@@ -23,12 +23,12 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
-from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
+from node_agent.errors import AgentError, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from node_agent.store.blobs import (
     FILE_MODE,
     O_CLOEXEC,
@@ -55,6 +55,7 @@ from node_agent.store.manifest import (
     MAX_MANIFEST_BYTES,
     CheckpointConfig,
     CheckpointManifest,
+    Chunk,
     Descriptor,
     FileEntry,
     check_manifest_matches,
@@ -164,6 +165,10 @@ class Store:
         self.blobs = BlobStore(self.root)
         self.ingest_dir = os.path.join(self.root, "ingest")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
+        self.origins_dir = os.path.join(self.root, "origins")
+        # Fetches a missing blob of a lazily pulled checkpoint from its origin
+        # (set by whoever holds the registry credentials; see set_origin).
+        self.fetcher: Callable[[Mapping[str, Any], Chunk], None] | None = None
         self.index_path = os.path.join(self.root, INDEX_NAME)
         self.layout_path = os.path.join(self.root, LAYOUT_NAME)
         self.lock_path = os.path.join(self.root, ".lock")
@@ -172,7 +177,7 @@ class Store:
             if stat.S_IMODE(os.stat(self.root).st_mode) != 0o700:
                 os.chmod(self.root, 0o700)
             self.blobs.setup()
-            for path in (self.ingest_dir, self.quarantine_dir):
+            for path in (self.ingest_dir, self.quarantine_dir, self.origins_dir):
                 ensure_dir(path)
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
             try:
@@ -349,14 +354,21 @@ class Store:
         entry = record.entry(path)
         if entry.is_dir:
             raise InvalidArgument(f"checkpoint {record.id}: {path!r} is a directory")
-        return FileReader(self.blobs, record.id, entry)
+        return FileReader(self.blobs, record.id, entry, fetch=self.fetch_for(record.id))
 
     def verify(self, checkpoint_id: str) -> builtins.list[BadBlob]:
         """Check every chunk blob (present, size, digest, decodes to its size); [] when whole.
 
         The manifest and config blobs are verified by loading the checkpoint.
+        Of a lazily pulled checkpoint, blobs still only at its origin are not
+        bad: they are verified when they arrive.
         """
-        return verify_blobs(self.blobs, self.get(checkpoint_id), self.workers)
+        record = self.get(checkpoint_id)
+        origin = self.origin(record.id)
+        if origin is not None:
+            log.info("checkpoint %s: %d blobs are still only in %s (pulled lazily)", record.id,
+                     len(self.missing(record)), origin["reference"], extra={"checkpoint": record.id})
+        return verify_blobs(self.blobs, record, self.workers, remote_ok=origin is not None)
 
     def materialize(
         self, checkpoint_id: str, dest: str | os.PathLike[str], *, prefix: str = "", exclude: Collection[str] = ()
@@ -398,7 +410,67 @@ class Store:
             os.close(dest_fd)
 
     def _write_entries(self, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree) -> None:
-        write_entries(self.blobs, record, entries, tree, self.workers)
+        write_entries(self.blobs, record, entries, tree, self.workers, self.fetch_for(record.id))
+
+    # -- checkpoints pulled lazily ------------------------------------------------------------
+
+    def _origin_path(self, checkpoint_id: str) -> str:
+        return os.path.join(self.origins_dir, digest_hex(checkpoint_id) + ".json")
+
+    def set_origin(self, checkpoint_id: str, origin: Mapping[str, Any]) -> None:
+        """Record where the blobs a lazy pull left behind come from (before the checkpoint is published).
+
+        ``origin`` holds the registry reference (``reference``, pinned by
+        digest) and how to reach it, never a password.
+        """
+        self._replace_file(self._origin_path(checkpoint_id), json.dumps(dict(origin), sort_keys=True).encode())
+
+    def origin(self, checkpoint_id: str) -> dict[str, Any] | None:
+        """Where a lazily pulled checkpoint's missing blobs come from, or None."""
+        try:
+            data = read_bounded(self._origin_path(checkpoint_id), 64 << 10)
+            doc = json.loads(data)
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("reference"), str) else None
+
+    def missing(self, record: CheckpointRecord) -> builtins.list[Chunk]:
+        """The chunks of ``record`` whose blobs are not (yet) in this store."""
+        seen: set[str] = set()
+        out: list[Chunk] = []
+        for entry in record.files:
+            for chunk in entry.chunks:
+                if chunk.digest not in seen:
+                    seen.add(chunk.digest)
+                    if not self.has_blob(chunk.digest):
+                        out.append(chunk)
+        return out
+
+    def settle_origin(self, checkpoint_id: str) -> bool:
+        """Forget the origin of a checkpoint whose blobs have all arrived; True if it is whole."""
+        record = self.get(checkpoint_id)
+        if self.missing(record):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._origin_path(record.id))
+        return True
+
+    def fetch_chunk(self, checkpoint_id: str, chunk: Chunk) -> None:
+        """Bring a missing chunk of a lazily pulled checkpoint in from its origin (verified on arrival)."""
+        origin = self.origin(checkpoint_id)
+        if origin is None:
+            raise DataLoss(f"blob {chunk.digest} is missing")
+        if self.fetcher is None:
+            raise FailedPrecondition(
+                f"blob {chunk.digest} is still only in {origin['reference']} (pulled lazily), "
+                "and nothing here can fetch it"
+            )
+        self.fetcher(origin, chunk)
+
+    def fetch_for(self, checkpoint_id: str) -> Callable[[Chunk], None] | None:
+        if self.origin(checkpoint_id) is None:
+            return None
+        return lambda chunk: self.fetch_chunk(checkpoint_id, chunk)
 
     # -- moving checkpoints between stores ---------------------------------------------------
 
@@ -442,6 +514,8 @@ class Store:
                 if len(kept) == len(entries):
                     raise NotFound(f"checkpoint {cid} not found")
                 self._write_index(kept)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._origin_path(cid))
                 removed, freed = self._sweep(kept, dry_run=False)
         except OSError as exc:
             raise os_error(exc, f"removing checkpoint {cid}") from exc
@@ -526,6 +600,14 @@ class Store:
         if dry_run:
             return orphans, sum(sizes[d] for d in orphans)
         self._remove_dead_ingest()
+        # Origins of checkpoints no longer published (one being pulled right
+        # now is recorded just before it is published: spare recent ones).
+        published = {digest_hex(e["digest"]) for e in entries}
+        with os.scandir(self.origins_dir) as it:
+            for found in it:
+                if (found.name.endswith(".json") and found.name[:-5] not in published
+                        and found.stat(follow_symlinks=False).st_mtime < time.time() - 3600):
+                    os.unlink(found.path)
         removed, freed = self.blobs.delete(orphans)
         return removed, freed
 

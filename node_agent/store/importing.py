@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
 
@@ -138,10 +138,13 @@ class BlobImporter:
         finally:
             os.close(fd)
 
-    def commit(self, manifest: bytes) -> CheckpointRecord:
+    def commit(self, manifest: bytes, *, deferred: Collection[str] = ()) -> CheckpointRecord:
         """Validate ``manifest`` and its config, require every blob, publish; return the record.
 
-        Committing a manifest that is already published returns its record.
+        Layers whose digests are in ``deferred`` may be missing: the caller
+        has recorded where they come from (`Store.set_origin`), and readers
+        fetch them from there on demand. Committing a manifest that is already
+        published returns its record.
         """
         self._check_open()
         store = self._store
@@ -156,11 +159,14 @@ class BlobImporter:
             config_bytes = store.blobs.read(config_desc.digest, config_desc.size)
             config = decode_config(config_bytes, error=InvalidArgument, what=f"{where}: config")
             check_manifest_matches(doc, config, error=InvalidArgument, what=where)
-            for layer in doc.layers:
+            present = [layer for layer in doc.layers if layer.digest not in deferred or store.has_blob(layer.digest)]
+            for layer in present:
                 if not self._ingest.reference(layer.digest, layer.size):
                     raise FailedPrecondition(f"{where}: blob {layer.digest} is missing; add it first")
+            if len(present) != len(doc.layers) and store.origin(manifest_digest) is None:
+                raise FailedPrecondition(f"{where}: blobs are deferred but no origin is recorded")
             self._ingest.put(manifest_digest, data)
-            required = {d.digest: d.size for d in (*doc.layers, config_desc)}
+            required = {d.digest: d.size for d in (*present, config_desc)}
             required[manifest_digest] = len(data)
             self._ingest.commit_blobs(required)
             if self._linked:

@@ -17,7 +17,7 @@ import os
 import stat
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Final
 
@@ -43,9 +43,12 @@ class FileReader(io.RawIOBase):
     last chunk read is cached.
     """
 
-    def __init__(self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry) -> None:
+    def __init__(
+        self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, *, fetch: Callable[[Chunk], None] | None = None
+    ) -> None:
         super().__init__()
         self._blobs = blobs
+        self._fetch = fetch
         self._checkpoint_id = checkpoint_id
         self._entry = entry
         self._offsets = [c.offset for c in entry.chunks]
@@ -116,7 +119,7 @@ class FileReader(io.RawIOBase):
             return self._cached[1]
         chunk = self._entry.chunks[index]
         try:
-            data = self._blobs.read_chunk(chunk)
+            data = read_or_fetch(self._blobs, chunk, self._fetch)
         except DataLoss as exc:
             raise DataLoss(
                 f"checkpoint {self._checkpoint_id}: file {self._entry.path!r} at offset {chunk.offset}: {exc}"
@@ -131,6 +134,13 @@ class FileReader(io.RawIOBase):
     def _check_closed(self) -> None:
         if self.closed:
             raise ValueError("I/O operation on a closed FileReader")
+
+
+def read_or_fetch(blobs: BlobStore, chunk: Chunk, fetch: Callable[[Chunk], None] | None) -> bytes:
+    """A chunk's verified content; a missing blob is first fetched with ``fetch`` (a lazily pulled checkpoint)."""
+    if fetch is not None and blobs.size_of(chunk.digest) is None:
+        fetch(chunk)
+    return blobs.read_chunk(chunk)
 
 
 class DestTree:
@@ -190,7 +200,8 @@ class _Failure:
 
 
 def write_entries(
-    blobs: BlobStore, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree, workers: int
+    blobs: BlobStore, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree, workers: int,
+    fetch: Callable[[Chunk], None] | None = None,
 ) -> None:
     """Create ``entries`` under ``tree``: directories first, then files, their chunks written in parallel.
 
@@ -211,7 +222,7 @@ def write_entries(
             if failure.error is not None:
                 return
             try:
-                data = blobs.read_chunk(chunk)
+                data = read_or_fetch(blobs, chunk, fetch)
             except DataLoss as exc:
                 raise DataLoss(f"checkpoint {record.id}: file {entry.path!r} at offset {chunk.offset}: {exc}") from exc
             view = memoryview(data)
@@ -345,8 +356,11 @@ def check_dest_only_dirs(dest: str, dest_fd: int, prefix: str = "") -> None:
             os.close(fd)
 
 
-def verify_blobs(blobs: BlobStore, record: CheckpointRecord, workers: int) -> list[BadBlob]:
-    """Check every chunk blob of ``record`` in parallel; one BadBlob per bad blob, in order of first use."""
+def verify_blobs(blobs: BlobStore, record: CheckpointRecord, workers: int, *, remote_ok: bool = False) -> list[BadBlob]:
+    """Check every chunk blob of ``record`` in parallel; one BadBlob per bad blob, in order of first use.
+
+    With ``remote_ok`` (a lazily pulled checkpoint), a missing blob is not bad.
+    """
     users: dict[str, list[str]] = {}
     chunks: dict[str, Chunk] = {}
     for entry in record.files:
@@ -361,7 +375,7 @@ def verify_blobs(blobs: BlobStore, record: CheckpointRecord, workers: int) -> li
         reasons = list(pool.map(blobs.check_chunk, chunks.values()))
     bad: list[BadBlob] = []
     for digest, reason in zip(chunks, reasons, strict=True):
-        if reason is None:
+        if reason is None or (remote_ok and reason == "missing"):
             continue
         bad.append(BadBlob(digest=digest, reason=reason, paths=tuple(users[digest])))
         log.error(

@@ -62,3 +62,69 @@ def test_restore_on_a_second_node_from_a_registry(agent: Bed, node2: Bed, regist
             remove_pod(node2, res["pod_sandbox_id"])
     finally:
         remove_pod(agent, src.id)
+
+
+def _blob_bytes(bed: Bed) -> int:
+    root = os.path.join(bed.store, "blobs", "sha256")
+    return sum(e.stat().st_size for e in os.scandir(root) if e.is_file())
+
+
+def test_a_lazy_restore_on_a_node_with_an_empty_store_fetches_its_pages_on_demand(
+    agent: Bed, node2: Bed, registry: Any
+) -> None:
+    from tests.e2e.bed import container_config, make_pod
+
+    imgs = agent.info["images"]
+    src = make_pod(agent, "e2e-xlazy", [container_config("mem", imgs["memhog"], [
+        "/usr/local/bin/memhog", "--mib", "64", "--seed", "7", "--port", "8080", "--interval-ms", "100",
+        "--flip", "0",
+    ])])
+    try:
+        ip = pod_detail(agent, src.id).ip
+        wait_for(lambda: _answers(ip), what="memhog to answer")
+        before = ask(ip).split("sum=")[1]
+        ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
+        ref = registry.ref("checkpoints/xlazy:v1")
+        _cli_with_password(agent, "push", ckpt, ref, "--plain-http", "--username", "ops", password="s3cret")
+
+        # A lazy pull brings everything but the memory images' chunks.
+        used = _blob_bytes(node2)
+        pulled = _cli_with_password(node2, "pull", ref, "--lazy", "--plain-http", "--username", "ops",
+                                    password="s3cret")
+        assert pulled.stdout.strip().splitlines()[-1] == ckpt
+        assert _blob_bytes(node2) - used < 16 << 20
+        origin = os.path.join(node2.store, "origins", ckpt.split(":")[1] + ".json")
+        with open(origin, encoding="utf-8") as fh:
+            recorded = json.load(fh)
+        assert recorded["reference"].endswith("@" + ckpt) and "s3cret" not in json.dumps(recorded)
+        # What is still in the registry is not "bad".
+        assert node2.cli("checkpoints", "verify", ckpt).returncode == 0
+
+        res = json.loads(node2.cli("restore", ckpt, "--namespace", "e2e-xlazy-2", "--lazy", "--start",
+                                   "-o", "json").stdout)
+        try:
+            cid = res["containers"][0]["container_id"]
+            plan = os.path.join(node2.store, "plans", cid)
+            with open(os.path.join(plan, "plan.json"), encoding="utf-8") as fh:
+                assert json.load(fh)["lazy"] is True
+            new_ip = pod_detail(node2, res["pod_sandbox_id"]).ip
+            assert ask(new_ip).split("sum=")[1] == before
+            wait_for(lambda: os.path.exists(os.path.join(plan, "lazy.done")), timeout=120, what="every page in")
+            # The pages came through the store: the checkpoint is whole on node 2 now.
+            assert _blob_bytes(node2) - used > 60 << 20
+            wait_for(lambda: not os.path.exists(origin), timeout=30, what="the origin to be settled")
+            assert "every blob is in the store now" in node2.tail_log(200)
+            assert node2.cli("checkpoints", "verify", ckpt).returncode == 0
+        finally:
+            remove_pod(node2, res["pod_sandbox_id"])
+        node2.cli("checkpoints", "rm", ckpt)
+        agent.cli("checkpoints", "rm", ckpt)
+    finally:
+        remove_pod(agent, src.id)
+
+
+def _answers(ip: str) -> bool:
+    try:
+        return ask(ip, timeout=2).startswith("counter=")
+    except OSError:
+        return False

@@ -352,3 +352,23 @@ def test_unusable_tls_files_are_refused_at_start(pki: Pki) -> None:
     with pytest.raises(InvalidArgument, match="cannot read /nonexistent/ca.pem"):
         CertificateFiles(a.cert, a.key, "/nonexistent/ca.pem")
     assert CertificateFiles(a.cert, a.key, pki.ca).fetch() is None  # unchanged files: nothing new
+
+
+async def test_device_methods_need_a_rule_for_every_namespace(agent: Agent, pki: Pki) -> None:
+    admin, auto = pki.client("admin", "admin"), pki.client("auto", "autoscaler")
+    async with tls_channel(agent, pki, auto) as ch:
+        stub = pb_grpc.NodeAgentStub(ch)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListDevices(pb.ListDevicesRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert err.value.details() == "CN=autoscaler may not call ListDevices"
+    async with tls_channel(agent, pki, admin) as ch:
+        stub = pb_grpc.NodeAgentStub(ch)  # type: ignore[no-untyped-call]
+        # Past the policy: this agent runs without a device monitor.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListDevices(pb.ListDevicesRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.WatchDevices(pb.WatchDevicesRequest(), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

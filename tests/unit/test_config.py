@@ -50,3 +50,14 @@ def test_bad_config_is_refused(tmp_path: Path, text: str, needle: str) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="cannot read"):
         load(str(tmp_path / "absent.yaml"))
+
+
+def test_lazy_restore_setting(tmp_path: Path) -> None:
+    assert Settings().lazy_restore == "auto" and Settings().timeouts.lazy_start == 600.0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lazy-restore: never\ntimeouts:\n  lazy-start: 30\n")
+    s = load(str(cfg))
+    assert s.lazy_restore == "never" and s.timeouts.lazy_start == 30.0
+    cfg.write_text("lazy-restore: sometimes\n")
+    with pytest.raises(InvalidArgument, match="lazy-restore must be auto or never"):
+        load(str(cfg))

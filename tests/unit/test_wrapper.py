@@ -135,3 +135,38 @@ def test_a_hostile_diff_is_refused_before_restore(env: dict[str, Path]) -> None:
     assert not env["record"].exists(), "runc must not run after a refused diff"
     assert "phase rootfs" in log.read_text()
     assert not (env["tmp"] / "escape").exists()
+
+
+def _lazy_plan(env: dict[str, Path]) -> Path:
+    d = _plan(env)
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "lazy": True}))
+    return d
+
+
+def test_a_lazy_plan_restores_with_lazy_pages_and_keeps_the_images_for_the_daemon(env: dict[str, Path]) -> None:
+    d = _lazy_plan(env)
+    (d / "work").mkdir()
+    (d / "work" / "lazy-pages.socket").write_text("")
+    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode == 0, r.stderr
+    argv = _argv(env)
+    assert "--lazy-pages" in argv and "--auto-dedup" not in argv
+    assert argv[argv.index("--work-path") + 1] == str(d / "work")
+    assert (d / "restored").exists() and (d / "images" / "inventory.img").exists()
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_lazy_plan_without_its_page_source_fails_clearly(env: dict[str, Path], failed: bool) -> None:
+    d = _lazy_plan(env)
+    if failed:
+        (d / "work").mkdir()
+        (d / "work" / "lazy-pages.socket").write_text("")
+        (d / "lazy.failed").write_text("blob sha256:0f missing")
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+             str(env["bundle"]), CID)
+    assert r.returncode != 0 and not env["record"].exists()
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert "ns/p" in msg and "container app" in msg and "phase lazy-pages" in msg
+    assert ("blob sha256:0f missing" in msg) if failed else ("page source for this container is gone" in msg)

@@ -276,12 +276,14 @@ class PushRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., reference: _Optional[str] = ..., credentials: _Optional[_Union[RegistryCredentials, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("reference", "credentials")
+    __slots__ = ("reference", "credentials", "lazy")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
     reference: str
     credentials: RegistryCredentials
-    def __init__(self, reference: _Optional[str] = ..., credentials: _Optional[_Union[RegistryCredentials, _Mapping]] = ...) -> None: ...
+    lazy: bool
+    def __init__(self, reference: _Optional[str] = ..., credentials: _Optional[_Union[RegistryCredentials, _Mapping]] = ..., lazy: _Optional[bool] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("checkpoint_id", "reference", "blobs_transferred", "blobs_skipped", "bytes_transferred")
@@ -332,3 +334,173 @@ class ImportRequest(_message.Message):
     namespace: str
     name: str
     def __init__(self, input_path: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceAttribute(_message.Message):
+    __slots__ = ("int_value", "bool_value", "string_value", "version_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    bool_value: bool
+    string_value: str
+    version_value: str
+    def __init__(self, int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., version_value: _Optional[str] = ...) -> None: ...
+
+class DeviceHealthReason(_message.Message):
+    __slots__ = ("reason", "severity", "message", "since")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    severity: str
+    message: str
+    since: float
+    def __init__(self, reason: _Optional[str] = ..., severity: _Optional[str] = ..., message: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
+
+class DeviceHealth(_message.Message):
+    __slots__ = ("state", "reasons", "unmonitored")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    UNMONITORED_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    reasons: _containers.RepeatedCompositeFieldContainer[DeviceHealthReason]
+    unmonitored: str
+    def __init__(self, state: _Optional[str] = ..., reasons: _Optional[_Iterable[_Union[DeviceHealthReason, _Mapping]]] = ..., unmonitored: _Optional[str] = ...) -> None: ...
+
+class DraDeviceRef(_message.Message):
+    __slots__ = ("driver", "pool", "device")
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    driver: str
+    pool: str
+    device: str
+    def __init__(self, driver: _Optional[str] = ..., pool: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class DeviceTemperature(_message.Message):
+    __slots__ = ("sensor", "celsius", "max_celsius", "crit_celsius")
+    SENSOR_FIELD_NUMBER: _ClassVar[int]
+    CELSIUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CELSIUS_FIELD_NUMBER: _ClassVar[int]
+    CRIT_CELSIUS_FIELD_NUMBER: _ClassVar[int]
+    sensor: str
+    celsius: float
+    max_celsius: float
+    crit_celsius: float
+    def __init__(self, sensor: _Optional[str] = ..., celsius: _Optional[float] = ..., max_celsius: _Optional[float] = ..., crit_celsius: _Optional[float] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("bdf", "vendor", "device", "pci_class", "driver", "attributes", "health", "dra", "numa_node", "pcie_root", "link_speed", "link_max_speed", "link_width", "link_max_width", "aer", "temperatures", "interfaces", "uuid", "name")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: DeviceAttribute
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DeviceAttribute, _Mapping]] = ...) -> None: ...
+    class AerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BDF_FIELD_NUMBER: _ClassVar[int]
+    VENDOR_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PCI_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DRA_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    PCIE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    LINK_SPEED_FIELD_NUMBER: _ClassVar[int]
+    LINK_MAX_SPEED_FIELD_NUMBER: _ClassVar[int]
+    LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LINK_MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    AER_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    INTERFACES_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    bdf: str
+    vendor: str
+    device: str
+    pci_class: str
+    driver: str
+    attributes: _containers.MessageMap[str, DeviceAttribute]
+    health: DeviceHealth
+    dra: _containers.RepeatedCompositeFieldContainer[DraDeviceRef]
+    numa_node: int
+    pcie_root: str
+    link_speed: float
+    link_max_speed: float
+    link_width: int
+    link_max_width: int
+    aer: _containers.ScalarMap[str, int]
+    temperatures: _containers.RepeatedCompositeFieldContainer[DeviceTemperature]
+    interfaces: _containers.RepeatedScalarFieldContainer[str]
+    uuid: str
+    name: str
+    def __init__(self, bdf: _Optional[str] = ..., vendor: _Optional[str] = ..., device: _Optional[str] = ..., pci_class: _Optional[str] = ..., driver: _Optional[str] = ..., attributes: _Optional[_Mapping[str, DeviceAttribute]] = ..., health: _Optional[_Union[DeviceHealth, _Mapping]] = ..., dra: _Optional[_Iterable[_Union[DraDeviceRef, _Mapping]]] = ..., numa_node: _Optional[int] = ..., pcie_root: _Optional[str] = ..., link_speed: _Optional[float] = ..., link_max_speed: _Optional[float] = ..., link_width: _Optional[int] = ..., link_max_width: _Optional[int] = ..., aer: _Optional[_Mapping[str, int]] = ..., temperatures: _Optional[_Iterable[_Union[DeviceTemperature, _Mapping]]] = ..., interfaces: _Optional[_Iterable[str]] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class NumaNodeInfo(_message.Message):
+    __slots__ = ("id", "cpulist", "distances")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CPULIST_FIELD_NUMBER: _ClassVar[int]
+    DISTANCES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    cpulist: str
+    distances: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., cpulist: _Optional[str] = ..., distances: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeviceTaintRuleInfo(_message.Message):
+    __slots__ = ("name", "node", "bdf", "reason", "target", "key", "value", "effect", "message")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BDF_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node: str
+    bdf: str
+    reason: str
+    target: DraDeviceRef
+    key: str
+    value: str
+    effect: str
+    message: str
+    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., bdf: _Optional[str] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[DraDeviceRef, _Mapping]] = ..., key: _Optional[str] = ..., value: _Optional[str] = ..., effect: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DeviceSnapshot(_message.Message):
+    __slots__ = ("node", "taken_at", "generation", "devices", "numa_nodes", "taint_rules", "dra_status")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODES_FIELD_NUMBER: _ClassVar[int]
+    TAINT_RULES_FIELD_NUMBER: _ClassVar[int]
+    DRA_STATUS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    taken_at: float
+    generation: int
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    numa_nodes: _containers.RepeatedCompositeFieldContainer[NumaNodeInfo]
+    taint_rules: _containers.RepeatedCompositeFieldContainer[DeviceTaintRuleInfo]
+    dra_status: str
+    def __init__(self, node: _Optional[str] = ..., taken_at: _Optional[float] = ..., generation: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeInfo, _Mapping]]] = ..., taint_rules: _Optional[_Iterable[_Union[DeviceTaintRuleInfo, _Mapping]]] = ..., dra_status: _Optional[str] = ...) -> None: ...

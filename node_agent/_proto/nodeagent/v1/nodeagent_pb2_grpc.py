@@ -90,6 +90,16 @@ class NodeAgentStub:
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.ListDevices = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/ListDevices',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListDevicesRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.FromString,
+                _registered_method=True)
+        self.WatchDevices = channel.unary_stream(
+                '/nodeagent.v1.NodeAgent/WatchDevices',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.WatchDevicesRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -169,6 +179,21 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDevices(self, request, context):
+        """The node's PCI devices with their health, DRA attributes and the
+        DeviceTaintRules the agent applies; Watch streams a complete snapshot
+        each time one changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchDevices(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +251,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Import,
                     request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.FromString,
                     response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ListDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDevices,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListDevicesRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.SerializeToString,
+            ),
+            'WatchDevices': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDevices,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.WatchDevicesRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +560,60 @@ class NodeAgent:
             '/nodeagent.v1.NodeAgent/Import',
             nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
             nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/ListDevices',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ListDevicesRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/WatchDevices',
+            nodeagent_dot_v1_dot_nodeagent__pb2.WatchDevicesRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.DeviceSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,93 @@
+"""Single blobs on demand: the chunks a lazy pull left in the registry.
+
+A checkpoint pulled with ``lazy`` is published with its memory chunks still
+in the registry, and its origin recorded in the store (the reference,
+pinned by digest, and how to reach the registry; never a password). When a
+reader needs such a chunk (a lazy restore's page source, mostly), it is
+downloaded, verified against its digest and linked into the store like any
+pulled blob, so each chunk crosses the network once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from node_agent.errors import InvalidArgument
+from node_agent.registry.auth import Credentials
+from node_agent.registry.ports import BlobSink
+from node_agent.registry.pulling import _import_blob
+from node_agent.registry.reference import parse_reference
+from node_agent.registry.tally import Tally
+from node_agent.registry.transport import Session
+
+log = logging.getLogger(__name__)
+
+
+class ChunkLike(Protocol):
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def stored_size(self) -> int: ...
+
+
+def credentials_of(origin: Mapping[str, Any], password: str = "") -> Credentials:
+    def flag(key: str) -> bool:
+        return origin.get(key) is True
+
+    return Credentials(
+        username=str(origin.get("username") or ""), password=password, ca_file=str(origin.get("ca_file") or ""),
+        plain_http=flag("plain_http"), insecure_skip_verify=flag("insecure_skip_verify"),
+    )
+
+
+def repository_key(reference: str) -> str:
+    """``registry/repository`` of a reference: what a remembered password belongs to."""
+    ref = parse_reference(reference)
+    return f"{ref.registry}/{ref.repository}"
+
+
+class RemoteBlobs:
+    """A store's fetcher (`Store.fetcher`): one kept-alive session per origin, one fetch at a time each.
+
+    Passwords come from ``passwords`` (by ``registry/repository``), held in
+    memory by whoever pulled; an origin without one is fetched with its
+    username only (or anonymously).
+    """
+
+    def __init__(self, store: BlobSink, *, passwords: Mapping[str, str] | None = None, timeout: float = 60.0) -> None:
+        self.store = store
+        self.passwords = dict(passwords or {})
+        self.timeout = timeout
+        self._sessions: dict[str, tuple[Session, threading.Lock]] = {}
+        self._lock = threading.Lock()
+        self.fetched = 0
+
+    def _session(self, origin: Mapping[str, Any]) -> tuple[Session, threading.Lock]:
+        reference = str(origin["reference"])
+        with self._lock:
+            found = self._sessions.get(reference)
+            if found is None:
+                ref = parse_reference(reference)
+                if ref.digest is None:
+                    raise InvalidArgument(f"origin {reference} is not pinned by digest")
+                creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
+                found = (Session(ref, creds, timeout=self.timeout, actions="pull"), threading.Lock())
+                self._sessions[reference] = found
+            return found
+
+    def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> None:
+        session, lock = self._session(origin)
+        with lock, self.store.importer() as importer:
+            _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?", Tally(None))
+        self.fetched += 1
+        log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
+
+    def close(self) -> None:
+        with self._lock:
+            for session, _ in self._sessions.values():
+                session.close()
+            self._sessions.clear()
