@@ -45,6 +45,7 @@ DONE_FILE = "lazy.done"
 FAILED_FILE = "lazy.failed"
 DAEMON_LOG = "lazy-pages.log"
 SOCKET_NAME = "lazy-pages.socket"
+BACKGROUND_NICE = 10
 
 
 @dataclass
@@ -99,8 +100,10 @@ class LazySession:
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
             port = listener.getsockname()[1]
+            # The background transfer yields to foreground work (the next
+            # restore, most of all): both the daemon and the source run niced.
             self._daemon = await asyncio.create_subprocess_exec(
-                self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
+                "nice", "-n", str(BACKGROUND_NICE), self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
                 "--images-dir", self.images, "--work-dir", self.work, "--log-file", DAEMON_LOG,
                 "--status-fd", str(status_w),
                 pass_fds=(status_w,), start_new_session=True,

@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--container-id", required=True)
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
+    os.nice(10)  # like its daemon: the background transfer yields to foreground work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s page-source %(levelname)s %(message)s")
     ctrl = socket.socket(fileno=args.control_fd)
     listener = socket.socket(fileno=args.listen_fd)
