@@ -53,6 +53,7 @@ class Outcome:
     ok: bool
     message: str = ""
     pages: int = 0
+    total: int = 0
     seconds: float = 0.0
 
 
@@ -198,7 +199,8 @@ class LazySession:
         event = await reader.next()
         if event is not None and event.get("event") == "done":
             pages = int(event.get("pages", 0))
-            return Outcome(True, pages=pages, seconds=float(event.get("seconds", 0.0)))
+            return Outcome(True, pages=pages, total=int(event.get("total", pages)),
+                           seconds=float(event.get("seconds", 0.0)))
         reason = (
             str(event.get("message")) if event is not None and event.get("event") == "error"
             else f"the page source exited mid-transfer ({await self._source_exit()})"
@@ -247,12 +249,16 @@ class LazySession:
         self.outcome = outcome
         took = time.monotonic() - self.started_at
         if outcome.ok:
-            log.info("restore of pod %s, container %s: all %d lazy pages in, %.2fs after the daemon started",
-                     self.pod, self.container, outcome.pages, took,
+            if outcome.pages >= outcome.total:
+                what = f"all {outcome.pages} lazy pages in"
+            else:  # the daemon drops pages that were unmapped, or whose processes ended
+                what = f"lazy transfer over, {outcome.pages} of {outcome.total} pages were still needed"
+            log.info("restore of pod %s, container %s: %s, %.2fs after the daemon started",
+                     self.pod, self.container, what, took,
                      extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
             _write(os.path.join(self.plan_dir, DONE_FILE),
-                   json.dumps({"pages": outcome.pages, "transfer_seconds": outcome.seconds,
-                               "seconds": round(took, 3)}))
+                   json.dumps({"pages": outcome.pages, "total": outcome.total,
+                               "transfer_seconds": outcome.seconds, "seconds": round(took, 3)}))
             shutil.rmtree(self.images, ignore_errors=True)
         elif self._removed:
             log.info("restore of pod %s, container %s: removed before it started; its page source stopped",

@@ -1,0 +1,53 @@
+"""Lazy restore at the edges: the pod removed, or the agent killed, while its pages stream in."""
+
+from __future__ import annotations
+
+from tests.e2e.bed import Bed, ask, container_detail, pod_detail, remove_pod, wait_for
+from tests.e2e.test_lazy import _lazy_processes, _memhog_pod, _sum, _try_ask
+
+
+def _checkpoint(agent: Bed, mib: int) -> tuple[str, str, str]:
+    pod = _memhog_pod(agent, "e2e-lazy-edge", mib)
+    ip = pod_detail(agent, pod.id).ip
+    wait_for(lambda: _try_ask(ip), what="memhog to answer")
+    before = _sum(ask(ip))
+    ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
+    return pod.id, ckpt, before
+
+
+def test_a_pod_removed_mid_transfer_leaves_nothing_behind_and_no_error(agent: Bed) -> None:
+    src, ckpt, _ = _checkpoint(agent, 512)
+    try:
+        out = agent.cli("restore", ckpt, "--namespace", "e2e-lazy-rm", "--lazy", "--start").stdout.split()
+        cid = out[2]
+        remove_pod(agent, out[0])
+        wait_for(lambda: not _lazy_processes(cid), timeout=30, what="the daemon and the page source to go")
+        log = [ln for ln in agent.tail_log(300).splitlines() if "e2e-lazy-rm/" in ln]
+        assert not [ln for ln in log if " ERROR " in ln], log
+    finally:
+        agent.cli("checkpoints", "rm", ckpt, check=False)
+        remove_pod(agent, src)
+
+
+def test_the_pages_keep_coming_when_the_agent_dies_mid_transfer(agent: Bed) -> None:
+    src, ckpt, before = _checkpoint(agent, 512)
+    try:
+        out = agent.cli("restore", ckpt, "--namespace", "e2e-lazy-agent", "--lazy", "--start").stdout.split()
+        new_pod, cid = out[0], out[2]
+        try:
+            agent.kill_agent()
+            assert _lazy_processes(cid), "the transfer was over before the agent died"
+            # The page source serves on alone; the workload's memory is whole.
+            ip = pod_detail(agent, new_pod).ip
+            assert _sum(ask(ip, timeout=60)) == before
+            wait_for(lambda: not _lazy_processes(cid), timeout=60, what="the transfer to end")
+            assert container_detail(agent, cid).container.state == "CONTAINER_RUNNING"
+            agent.start_agent()
+            assert _sum(ask(ip)) == before
+        finally:
+            if agent.agent is None or agent.agent.poll() is not None:
+                agent.start_agent()
+            remove_pod(agent, new_pod)
+    finally:
+        agent.cli("checkpoints", "rm", ckpt, check=False)
+        remove_pod(agent, src)
