@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from node_agent.cli import output
-from node_agent.cli.client import Client, CliError, pb, socket_path
+from node_agent.cli.client import Client, CliError, pb
 
 
 def _parse_options(pairs: list[str]) -> dict[str, str]:
@@ -49,7 +49,7 @@ def stream_result(args: argparse.Namespace, method: str, request: Any) -> Any:
     """Call a streaming method, showing its progress; the final result event."""
     prog = _Progress()
     result = None
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         try:
             for ev in c.stream(method, request, timeout=args.timeout):
                 if ev.HasField("progress"):
@@ -94,7 +94,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         resp = c.call("ListCheckpoints", pb.ListCheckpointsRequest(pod_namespace=args.namespace or ""))
     items = [output.checkpoint_dict(i) for i in resp.checkpoints]
     if args.output in ("json", "yaml"):
@@ -113,7 +113,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         info = c.call("InspectCheckpoint", pb.InspectCheckpointRequest(checkpoint_id=args.id))
     d = output.checkpoint_dict(info)
     if args.output in ("json", "yaml"):
@@ -133,7 +133,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         resp = c.call("RemoveCheckpoint", pb.RemoveCheckpointRequest(checkpoint_id=args.id))
     if args.output in ("json", "yaml"):
         output.emit({"removed": resp.checkpoint_id}, args.output)
@@ -143,7 +143,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         resp = c.call("VerifyCheckpoint", pb.VerifyCheckpointRequest(checkpoint_id=args.id), timeout=args.timeout)
     if args.output in ("json", "yaml"):
         output.emit(output.as_dict(resp), args.output)
@@ -158,7 +158,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         resp = c.call("GarbageCollect", pb.GarbageCollectRequest(dry_run=args.dry_run), timeout=600)
     if args.output in ("json", "yaml"):
         output.emit(output.as_dict(resp), args.output)

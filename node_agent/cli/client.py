@@ -48,28 +48,30 @@ class Remote:
         return grpc.secure_channel(self.server, creds)
 
 
-_remote: Remote | None = None
-
-
-def use_remote(server: str | None, cert: str | None, key: str | None, ca: str | None) -> None:
-    """Send the commands of this process to `server` over mutual TLS instead of the local socket."""
-    global _remote
+def remote_of(server: str | None, cert: str | None, key: str | None, ca: str | None) -> Remote | None:
+    """The mutual-TLS listener a command goes to instead of the local socket (None: the socket)."""
     if not server:
         if cert or key or ca:
             raise CliError("--cert, --key and --ca go with --server HOST:PORT", 2)
-        _remote = None
-        return
+        return None
     if not (cert and key and ca):
         raise CliError("--server needs --cert, --key and --ca (the listener takes mutual TLS only)", 2)
-    _remote = Remote(server, cert, key, ca)
+    return Remote(server, cert, key, ca)
 
 
 class Client:
-    def __init__(self, socket: str) -> None:
+    def __init__(self, socket: str, remote: Remote | None = None) -> None:
         self.socket = socket
-        self.remote = _remote
+        self.remote = remote
         self.channel = self.remote.channel() if self.remote else grpc.insecure_channel("unix://" + socket)
         self.stub = pb_grpc.NodeAgentStub(self.channel)  # type: ignore[no-untyped-call]
+
+    @classmethod
+    def of(cls, args: Any) -> "Client":
+        """The client a command's flags ask for: --server/--cert/--key/--ca, else --socket."""
+        remote = remote_of(getattr(args, "server", None), getattr(args, "cert", None), getattr(args, "key", None),
+                           getattr(args, "ca", None))
+        return cls(socket_path(getattr(args, "socket", None)), remote)
 
     def __enter__(self) -> "Client":
         return self
@@ -100,4 +102,4 @@ class Client:
             raise self.translate(exc) from None
 
 
-__all__ = ["Client", "CliError", "Remote", "socket_path", "use_remote", "pb"]
+__all__ = ["Client", "CliError", "Remote", "remote_of", "socket_path", "pb"]

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from node_agent.cli import output
-from node_agent.cli.client import Client, pb, socket_path
+from node_agent.cli.client import Client, pb
 from node_agent.devices import taints
 from node_agent.devices.types import DraDevice, TaintRule
 
@@ -75,7 +75,7 @@ def rule_manifests(s: Any) -> list[dict[str, Any]]:
 
 
 def _snapshot(args: argparse.Namespace) -> Any:
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         return c.call("ListDevices", pb.ListDevicesRequest(), timeout=30.0)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from node_agent import errors
 from node_agent.cli import checkpoints, containerd_config, devices, doctor, install_systemd, transfer
-from node_agent.cli.client import ENV_SOCKET, CliError, use_remote
+from node_agent.cli.client import ENV_SOCKET, CliError, remote_of
 from node_agent.config import load
 
 
@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        use_remote(getattr(args, "server", None), getattr(args, "cert", None), getattr(args, "key", None),
-                   getattr(args, "ca", None))
+        # Refuse a half-given TLS target before anything runs.
+        remote_of(getattr(args, "server", None), getattr(args, "cert", None), getattr(args, "key", None),
+                  getattr(args, "ca", None))
         return int(args.func(args))
     except CliError as exc:
         sys.stderr.write(f"node-agent: {exc}\n")

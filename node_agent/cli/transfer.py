@@ -10,7 +10,7 @@ from typing import Any
 
 from node_agent.cli import output
 from node_agent.cli.checkpoints import stream_result
-from node_agent.cli.client import Client, pb, socket_path
+from node_agent.cli.client import Client, pb
 
 ENV_USER = "NODE_AGENT_REGISTRY_USERNAME"
 ENV_PASSWORD = "NODE_AGENT_REGISTRY_PASSWORD"
@@ -59,7 +59,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.output_file)
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         r = c.call("Export", pb.ExportRequest(checkpoint_id=args.id, container=args.container, output_path=out), timeout=args.timeout)
     sys.stdout.write(f"{r.output_path}\n")
     return 0
@@ -67,7 +67,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.archive)
-    with Client(socket_path(args.socket)) as c:
+    with Client.of(args) as c:
         info = c.call("Import", pb.ImportRequest(input_path=path, namespace=args.namespace or "", name=args.name or ""), timeout=args.timeout)
     if args.output == "json":
         output.emit(output.checkpoint_dict(info), "json")
