@@ -32,8 +32,8 @@ with O_NOFOLLOW, creates entries relative to that descriptor, never follows
 a symlink in a path, never crosses into another filesystem, and rejects
 (InvalidInput) absolute names, "..", NUL bytes, devices, hardlinks to
 anything but a regular file extracted from the same archive, conflicting
-duplicates and every bound of `DiffLimits`. It reads the tar with its own
-strict parser (ustar, PAX and GNU long names) rather than tarfile.
+duplicates and every bound of `DiffLimits`. It reads the tar with the strict
+parser of `tarstream` (ustar, PAX and GNU long names) rather than tarfile.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import stat
 
+from . import tarstream
 from .errors import BridgeError, InvalidInput, LimitExceeded
 
 TYPE_CHECKING = False
@@ -52,14 +53,10 @@ if TYPE_CHECKING:
 
 OPAQUE_DIRS_NAME = "opaque.dirs"
 
-_BLOCK = 512
-_ZERO_BLOCK = bytes(_BLOCK)
-_HIGH_BYTES = bytes(range(128, 256))
+_BLOCK = tarstream.BLOCK
+_ZERO_BLOCK = tarstream.ZERO_BLOCK
 _CHUNK = 1 << 20  # copy unit for file content
 _SMALL_FILE = 256 << 10  # files up to this size are read into the write buffer
-_MAX_META_BYTES = 1 << 20  # PAX header or GNU long name data
-_MAX_META_HEADERS = 8  # extended headers in front of one member
-_MAX_GLOBAL_HEADERS = 64
 _MAX_LIST_BYTES = 16 << 20  # deleted.files / opaque.dirs
 _MAX_XATTR_VALUE = 64 << 10
 _NAME_MAX = 255
@@ -76,7 +73,10 @@ _REFUSED_XATTRS = {
 }
 
 # Member kinds.
-_FILE, _DIR, _SYMLINK, _HARDLINK, _FIFO, _IMPLICIT_DIR = "file dir symlink hardlink fifo implicit".split()
+_FILE, _DIR, _SYMLINK, _HARDLINK, _FIFO = (
+    tarstream.FILE, tarstream.DIR, tarstream.SYMLINK, tarstream.HARDLINK, tarstream.FIFO
+)
+_IMPLICIT_DIR = "implicit"
 
 
 class _Frozen:
@@ -357,15 +357,6 @@ def _is_ascii(data: bytes) -> bool:
     return data.isascii()
 
 
-def _pax_record(key: bytes, value: bytes) -> bytes:
-    body = len(key) + len(value) + 3  # " ", "=", "\n"
-    digits = len(str(body))
-    length = body + digits
-    if len(str(length)) != digits:
-        length += 1
-    return b"%d %s=%s\n" % (length, key, value)
-
-
 def _split_ustar_name(path: bytes) -> tuple[bytes, bytes] | None:
     """(prefix, name) for the ustar fields, or None if the path does not fit."""
     if len(path) <= 100:
@@ -441,36 +432,36 @@ class _TarWriter:
         binary = False
         split = _split_ustar_name(path) if _is_ascii(path) else None
         if split is None:
-            records.append(_pax_record(b"path", path))
+            records.append(tarstream.pax_record(b"path", path))
             binary = not _is_utf8(path)
             prefix, name = b"", path[:100]
         else:
             prefix, name = split
         if len(linkname) > 100 or not _is_ascii(linkname):
-            records.append(_pax_record(b"linkpath", linkname))
+            records.append(tarstream.pax_record(b"linkpath", linkname))
             binary = binary or not _is_utf8(linkname)
             linkname = linkname[:100]
         uid, gid = st.st_uid, st.st_gid
         if uid >= 8**7:
-            records.append(_pax_record(b"uid", b"%d" % uid))
+            records.append(tarstream.pax_record(b"uid", b"%d" % uid))
             uid = 0
         if gid >= 8**7:
-            records.append(_pax_record(b"gid", b"%d" % gid))
+            records.append(tarstream.pax_record(b"gid", b"%d" % gid))
             gid = 0
         if size >= 8**11:
-            records.append(_pax_record(b"size", b"%d" % size))
+            records.append(tarstream.pax_record(b"size", b"%d" % size))
             hsize = 0
         else:
             hsize = size
         mtime = st.st_mtime_ns // 1_000_000_000
         if not 0 <= mtime < 8**11:
-            records.append(_pax_record(b"mtime", b"%d" % mtime))
+            records.append(tarstream.pax_record(b"mtime", b"%d" % mtime))
             mtime = 0
         for xname, value in xattrs or ():
-            records.append(_pax_record(b"SCHILY.xattr." + xname.encode(), value))
+            records.append(tarstream.pax_record(b"SCHILY.xattr." + xname.encode(), value))
         if records:
             if binary:
-                records.insert(0, _pax_record(b"hdrcharset", b"BINARY"))
+                records.insert(0, tarstream.pax_record(b"hdrcharset", b"BINARY"))
             data = b"".join(records)
             self.buf += _ustar_header(b"././@PaxHeader", b"", 0o644, 0, 0, len(data), 0, b"x", b"")
             self.buf += data
@@ -825,217 +816,39 @@ class _Member:
         self.offset = 0
 
 
-def _octal(field: bytes, what: str) -> int:
-    """A numeric header field: octal text or GNU base-256."""
-    if field and field[0] & 0x80:
-        if field[0] == 0xFF:
-            raise InvalidInput(f"negative {what} in tar header")
-        value = field[0] & 0x7F
-        for b in field[1:]:
-            value = (value << 8) | b
-        return value
-    text = field.split(b"\0", 1)[0].strip(b" ")
-    if not text:
-        return 0
-    if text.translate(None, b"01234567"):
-        raise InvalidInput(f"bad {what} field {field!r} in tar header")
-    return int(text, 8)
-
-
-def _pax_int(value: bytes, key: str, limit: int) -> int:
-    if not value.isdigit() or len(value) > 20:
-        raise InvalidInput(f"bad PAX {key} value {value[:40]!r}")
-    result = int(value)
-    if result >= limit:
-        raise InvalidInput(f"PAX {key} value {result} out of range")
-    return result
-
-
-def _pax_mtime_ns(value: bytes) -> int:
-    text = value
-    sign = 1
-    if text.startswith(b"-"):
-        sign, text = -1, text[1:]
-    whole, dot, frac = text.partition(b".")
-    if not whole.isdigit() or len(whole) > 11 or (dot and frac and not frac.isdigit()):
-        raise InvalidInput(f"bad PAX mtime value {value[:40]!r}")
-    if int(whole) >= 1 << 33:
-        raise InvalidInput(f"PAX mtime value {value[:40]!r} out of range")
-    ns = int(whole) * 1_000_000_000 + (int((frac[:9] or b"0").ljust(9, b"0")) if dot else 0)
-    return sign * ns
-
-
-def _parse_pax(data: bytes) -> list[tuple[str, bytes]]:
-    records: list[tuple[str, bytes]] = []
-    pos = 0
-    end = len(data)
-    while pos < end:
-        if data[pos] == 0:
-            break
-        space = data.find(b" ", pos, pos + 21)
-        if space <= pos or not data[pos:space].isdigit():
-            raise InvalidInput("malformed PAX record")
-        length = int(data[pos:space])
-        stop = pos + length
-        if stop <= space + 1 or stop > end or data[stop - 1] != 0x0A:
-            raise InvalidInput("malformed PAX record length")
-        record = data[space + 1 : stop - 1]
-        eq = record.find(b"=")
-        if eq <= 0:
-            raise InvalidInput("malformed PAX record")
-        try:
-            key = record[:eq].decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput("PAX record key is not UTF-8") from None
-        records.append((key, record[eq + 1 :]))
-        pos = stop
-    return records
-
-
-_TYPES = {
-    b"0": _FILE,
-    b"\0": _FILE,
-    b"7": _FILE,
-    b"1": _HARDLINK,
-    b"2": _SYMLINK,
-    b"5": _DIR,
-    b"6": _FIFO,
-}
-_TYPE_NAMES = {b"3": "character device", b"4": "block device"}
-
-
 class _TarReader:
-    """Reads members of a regular-file tar by offset, checking every header."""
+    """Members of a regular-file tar read by offset; content stays in place for sendfile.
+
+    `tarstream` checks every header (its defaults refuse devices and a
+    trailing slash on anything but a directory); this then reads mode,
+    owner and mtime, checks max_file_bytes, and that the content lies
+    inside the file, in that order.
+    """
 
     def __init__(self, fd: int, size: int, limits: DiffLimits) -> None:
-        self.fd = fd
-        self.size = size
-        self.pos = 0
+        self.source = tarstream.FileSource(fd, size)
         self.limits = limits
-        self.globals = 0
-
-    def _read(self, n: int) -> bytes:
-        if self.pos + n > self.size:
-            raise InvalidInput("tar archive is truncated")
-        data = os.pread(self.fd, n, self.pos)
-        if len(data) != n:
-            raise InvalidInput("tar archive is truncated")
-        self.pos += n
-        return data
-
-    def _data(self, size: int) -> bytes:
-        data = self._read(size)
-        self.pos += len(_padding(size))
-        return data
+        self.headers = tarstream.TarStream(self.source, pax_nul_ends=True, pax_text_keys=True)
 
     def next(self) -> _Member | None:
-        pax: dict[str, bytes] = {}
-        xattrs: list[tuple[str, bytes]] = []
-        long_name: bytes | None = None
-        long_link: bytes | None = None
-        meta = 0
-        while True:
-            block = self._read(_BLOCK)
-            if block == _ZERO_BLOCK:
-                return None
-            stored = _octal(block[148:156], "checksum")
-            unsigned = sum(block) - sum(block[148:156]) + 256
-            if stored != unsigned:
-                # Some old writers summed signed bytes.
-                rest = block[:148] + block[156:]
-                high = len(rest) - len(rest.translate(None, _HIGH_BYTES))
-                if stored != unsigned - 256 * high:
-                    raise InvalidInput("tar header checksum mismatch")
-            typeflag = block[156:157]
-            size = _octal(block[124:136], "size")
-            if typeflag in (b"x", b"g", b"L", b"K"):
-                meta += 1
-                if meta > _MAX_META_HEADERS:
-                    raise InvalidInput("too many extended headers for one member")
-                if size > _MAX_META_BYTES:
-                    raise LimitExceeded(f"extended header of {size} bytes is too large")
-                data = self._data(size)
-                if typeflag == b"x":
-                    for key, value in _parse_pax(data):
-                        if key.startswith("SCHILY.xattr."):
-                            xattrs.append((key[len("SCHILY.xattr.") :], value))
-                        elif key.startswith("GNU.sparse."):
-                            raise InvalidInput("sparse tar members are not supported")
-                        elif value:
-                            pax[key] = value
-                        else:
-                            pax.pop(key, None)
-                elif typeflag == b"g":
-                    self.globals += 1
-                    if self.globals > _MAX_GLOBAL_HEADERS:
-                        raise InvalidInput("too many global PAX headers")
-                elif typeflag == b"L":
-                    long_name = data.split(b"\0", 1)[0]
-                else:
-                    long_link = data.split(b"\0", 1)[0]
-                continue
-            return self._member(block, typeflag, size, pax, xattrs, long_name, long_link)
-
-    def _member(
-        self,
-        block: bytes,
-        typeflag: bytes,
-        size: int,
-        pax: dict[str, bytes],
-        xattrs: list[tuple[str, bytes]],
-        long_name: bytes | None,
-        long_link: bytes | None,
-    ) -> _Member:
+        h = self.headers.next()
+        if h is None:
+            return None
         m = _Member()
-        name = block[0:100].split(b"\0", 1)[0]
-        if block[257:263] == b"ustar\0":
-            prefix = block[345:500].split(b"\0", 1)[0]
-            if prefix:
-                name = prefix + b"/" + name
-        if long_name is not None:
-            name = long_name
-        name = pax.get("path", name)
-        link = pax.get("linkpath", long_link if long_link is not None else block[157:257].split(b"\0", 1)[0])
-        shown = _show(name[:300])
-        kind = _TYPES.get(typeflag)
-        if kind is None:
-            what = _TYPE_NAMES.get(typeflag, f"type {typeflag!r}")
-            raise InvalidInput(f"tar member {shown}: {what} members are not allowed")
-        if name.endswith(b"/"):
-            if typeflag == b"\0":
-                kind = _DIR
-            elif kind != _DIR:
-                raise InvalidInput(f"tar member {shown}: trailing slash on a non-directory")
-        if "size" in pax:
-            size = _pax_int(pax["size"], "size", 1 << 63)
-        m.name = name
-        m.kind = kind
-        m.mode = _octal(block[100:108], "mode") & 0o7777
-        m.uid = _pax_int(pax["uid"], "uid", 2**32 - 1) if "uid" in pax else _octal(block[108:116], "uid")
-        m.gid = _pax_int(pax["gid"], "gid", 2**32 - 1) if "gid" in pax else _octal(block[116:124], "gid")
-        if m.uid >= 2**32 - 1 or m.gid >= 2**32 - 1:
-            raise InvalidInput(f"tar member {shown}: uid/gid out of range")
-        if "mtime" in pax:
-            m.mtime_ns = _pax_mtime_ns(pax["mtime"])
-        else:
-            mtime = _octal(block[136:148], "mtime")
-            if mtime >= 1 << 33:
-                raise InvalidInput(f"tar member {shown}: mtime out of range")
-            m.mtime_ns = mtime * 1_000_000_000
-        m.linkname = link
-        m.xattrs = xattrs
-        if kind == _FILE:
-            if size > self.limits.max_file_bytes:
-                raise LimitExceeded(
-                    f"tar member {shown}: larger than max_file_bytes={self.limits.max_file_bytes}"
-                )
-            m.size = size
-            m.offset = self.pos
-            if self.pos + size > self.size:
-                raise InvalidInput(f"tar member {shown}: content runs past the end of the archive")
-            self.pos += size + len(_padding(size))
-        elif size:
-            raise InvalidInput(f"tar member {shown}: {kind} with {size} bytes of content")
+        m.name = h.name
+        m.kind = h.kind
+        m.linkname = h.linkname
+        m.mode = h.mode()
+        m.uid, m.gid = h.owner()
+        m.mtime_ns = h.mtime_ns()
+        m.xattrs = [(name.decode("utf-8"), value) for name, value in h.xattrs]
+        if h.kind == _FILE:
+            if h.size > self.limits.max_file_bytes:
+                raise LimitExceeded(f"tar member {h.shown}: larger than max_file_bytes={self.limits.max_file_bytes}")
+            m.size = h.size
+            m.offset = self.source.pos
+            if m.offset + h.size > self.source.size:
+                raise InvalidInput(f"tar member {h.shown}: content runs past the end of the archive")
         return m
 
 
