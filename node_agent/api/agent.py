@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, TypeVar
@@ -201,12 +202,11 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
         creds = _creds(request.credentials)
         store = self.store
-        defer = None
+        defer: Callable[[str, int], set[str]] | None = None
         if request.lazy:
             from node_agent.lazy.remote import memory_chunks
 
-            def defer(digest: str, size: int) -> set[str]:
-                return memory_chunks(store, digest, size)
+            defer = functools.partial(memory_chunks, store)
 
         from node_agent.registry.fetching import RemoteBlobs, repository_key
 

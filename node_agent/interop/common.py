@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from node_agent import strictjson
 from node_agent import errors
 
 # The archive's own files (the layout CRI-O, Podman and checkpointctl read).
@@ -79,33 +79,14 @@ def check_name(value: object, what: str) -> str:
     return value
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def parse_json(data: bytes, what: str, limit: int) -> Any:
     """Strict JSON: bounded, UTF-8, no duplicate keys, no NaN, nesting bounded by the interpreter."""
     if len(data) > limit:
         raise errors.ResourceExhausted(f"{what}: {len(data)} bytes is more than the limit of {limit}")
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise errors.InvalidArgument(f"{what} is not UTF-8: {exc}") from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except RecursionError:
-        raise errors.InvalidArgument(f"{what}: JSON nested too deeply") from None
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"{what} is not valid JSON: {str(exc)[:200]}") from None
+        return strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise errors.InvalidArgument(f"{what} {exc}") from None
 
 
 def bounded_str(value: object, what: str, limit: int = 4096, *, allow_empty: bool = False) -> str:

@@ -7,10 +7,9 @@ fetch); the store validates the manifest in full when it is committed.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
-from typing import Any
 
+from node_agent import strictjson
 from node_agent.errors import InvalidArgument
 from node_agent.registry.reference import check_digest
 
@@ -46,19 +45,6 @@ def manifest_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise InvalidArgument(f"manifest has the key {key[:64]!r} twice")
-        out[key] = value
-    return out
-
-
-def _refuse_constant(name: str) -> Any:
-    raise InvalidArgument(f"manifest has the non-JSON number {name}")
-
-
 def _media_type(value: object, where: str) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_MEDIA_TYPE_LENGTH or not value.isprintable():
         raise InvalidArgument(f"manifest {where}: bad mediaType")
@@ -86,9 +72,9 @@ def parse_manifest(data: bytes) -> list[BlobRef]:
     if len(data) > MAX_MANIFEST_SIZE:
         raise InvalidArgument(f"manifest is larger than {MAX_MANIFEST_SIZE} bytes")
     try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"manifest is not valid JSON: {str(exc)[:200]}") from None
+        doc = strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise InvalidArgument(f"manifest {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidArgument("manifest is not a JSON object")
     if doc.get("schemaVersion") != 2 or isinstance(doc.get("schemaVersion"), bool):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
+from node_agent import strictjson
 from node_agent.errors import DataLoss, InvalidArgument
 
 # -- media types and names ----------------------------------------------------------------
@@ -334,19 +335,6 @@ def oci_layout() -> bytes:
 # -- decoding ----------------------------------------------------------------------------------
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -360,13 +348,9 @@ def parse_json(data: bytes, limit: int, *, error: type[Exception], what: str) ->
     if len(data) > limit:
         raise error(f"{what}: {len(data)} bytes exceeds the {limit}-byte limit")
     try:
-        return json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_no_duplicate_keys,
-            parse_constant=_reject_constant,
-        )
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise error(f"{what}: not valid JSON: {exc}") from exc
+        return strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise error(f"{what} {exc}") from exc
 
 
 def decode_config(data: bytes, *, error: type[Exception] = DataLoss, what: str = "config") -> CheckpointConfig:
