@@ -32,6 +32,7 @@ from node_agent.cri import CriClient
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
 from node_agent.lazy.session import LazySession
+from node_agent.lazy.support import lazy_restore_support
 from node_agent.metrics import Metrics, instrumented
 from node_agent.store import CheckpointRecord, Store
 
@@ -204,8 +205,7 @@ class Restorer:
         # Checkpoints whose CPU check passed on this node (stable while the agent runs).
         self._cpu_ok: set[str] = set()
         self._lazy_warned = False
-        # Lazily restored containers whose pages are still streaming in, by container ID.
-        self.lazy_sessions: dict[str, LazySession] = {}
+        # Lazy sessions started by each restore in flight (by journal op), for its undo.
         self._op_sessions: dict[str, list[LazySession]] = {}
         self._lazy_tasks: set[asyncio.Task[None]] = set()
 
@@ -330,16 +330,7 @@ class Restorer:
     async def lazy_supported(self) -> tuple[bool, str]:
         """Whether this CRIU and kernel can restore lazily (`criu check --feature uffd-noncoop`), and why not."""
         if self._lazy_support is None:
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    self.settings.criu, "check", "--feature", "uffd-noncoop",
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                )
-                out, _ = await asyncio.wait_for(proc.communicate(), 30)
-                lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
-                self._lazy_support = (proc.returncode == 0, lines[-1] if lines else f"exit status {proc.returncode}")
-            except (OSError, TimeoutError) as exc:
-                self._lazy_support = (False, str(exc))
+            self._lazy_support = await asyncio.to_thread(lazy_restore_support, self.settings.criu, 30.0)
         return self._lazy_support
 
     async def lazy_mode(self, req: RestoreRequest, record: CheckpointRecord) -> bool:
@@ -455,11 +446,8 @@ class Restorer:
             raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
     def _track(self, session: LazySession, store: Store) -> None:
-        self.lazy_sessions[session.container_id] = session
-
         async def forget() -> None:
             outcome = await session.wait()
-            self.lazy_sessions.pop(session.container_id, None)
             if outcome.ok and store.origin(session.checkpoint_id) is not None:
                 try:
                     if await asyncio.to_thread(store.settle_origin, session.checkpoint_id):

@@ -343,18 +343,14 @@ def _privilege_checks() -> list[Check]:
 
 
 def _lazy_check(s: Settings) -> Check:
-    path = s.criu if os.path.isabs(s.criu) else shutil.which(s.criu)
-    if not path:
-        return Check("lazy restore", "WARN", "unavailable (falls back to full restore): no criu", "install CRIU >= 4.2")
-    try:
-        cp = subprocess.run([path, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {exc}", "check `criu check --feature uffd-noncoop`")
-    if cp.returncode == 0:
+    from node_agent.lazy.support import lazy_restore_support
+
+    ok, why = lazy_restore_support(s.criu)
+    if ok:
         return Check("lazy restore", "OK", "available (criu check --feature uffd-noncoop)")
-    why = (cp.stdout + cp.stderr).strip().splitlines()
-    return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {why[-1] if why else 'uffd-noncoop unsupported'}",
-                 "a kernel with userfaultfd (CONFIG_USERFAULTFD) and vm.unprivileged_userfaultfd or CAP_SYS_PTRACE")
+    fix = ("install CRIU >= 4.2" if why.startswith("no ") else
+           "a kernel with userfaultfd (CONFIG_USERFAULTFD) and vm.unprivileged_userfaultfd or CAP_SYS_PTRACE")
+    return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {why}", fix)
 
 
 def _start_time(pid: int) -> float | None:

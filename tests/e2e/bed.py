@@ -305,6 +305,14 @@ def freezer_state(pid: int) -> str:
     return freezer.state(freezer.freezer_of(pid))
 
 
+def answers(ip: str, port: int = 8080) -> bool:
+    """Whether memhog at ``ip`` answers (for wait_for)."""
+    try:
+        return ask(ip, port, timeout=2).startswith("counter=")
+    except OSError:
+        return False
+
+
 def ask(ip: str, port: int = 8080, timeout: float = 10) -> str:
     with socket.create_connection((ip, port), timeout=timeout) as s:
         s.settimeout(timeout)

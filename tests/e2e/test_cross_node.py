@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from tests.e2e.bed import Bed, ask, container_detail, counter_pod, pod_detail, remove_pod, ticks, wait_for
+from tests.e2e.bed import Bed, answers, ask, container_detail, counter_pod, pod_detail, remove_pod, ticks, wait_for
 
 
 def _cli_with_password(bed: Bed, *args: str, password: str, check: bool = True) -> Any:
@@ -81,7 +81,7 @@ def test_a_lazy_restore_on_a_node_with_an_empty_store_fetches_its_pages_on_deman
     ])])
     try:
         ip = pod_detail(agent, src.id).ip
-        wait_for(lambda: _answers(ip), what="memhog to answer")
+        wait_for(lambda: answers(ip), what="memhog to answer")
         before = ask(ip).split("sum=")[1]
         ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
         ref = registry.ref("checkpoints/xlazy:v1")
@@ -121,10 +121,3 @@ def test_a_lazy_restore_on_a_node_with_an_empty_store_fetches_its_pages_on_deman
         agent.cli("checkpoints", "rm", ckpt)
     finally:
         remove_pod(agent, src.id)
-
-
-def _answers(ip: str) -> bool:
-    try:
-        return ask(ip, timeout=2).startswith("counter=")
-    except OSError:
-        return False

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.bed import (
-    Bed, PodHandle, ask, container_config, container_detail, make_pod, pod_detail, remove_pod, wait_for,
+    Bed, PodHandle, answers, ask, container_config, container_detail, make_pod, pod_detail, remove_pod, wait_for,
 )
 
 
@@ -52,20 +52,13 @@ def checkpointed(agent: Bed, request: pytest.FixtureRequest) -> Iterator[tuple[P
     pod = _memhog_pod(agent, "e2e-lazy", mib)
     try:
         ip = pod_detail(agent, pod.id).ip
-        wait_for(lambda: _try_ask(ip), what="memhog to answer")
+        wait_for(lambda: answers(ip), what="memhog to answer")
         before = _sum(ask(ip))
         ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
         yield pod, ckpt, before
         agent.cli("checkpoints", "rm", ckpt, check=False)
     finally:
         remove_pod(agent, pod.id)
-
-
-def _try_ask(ip: str) -> bool:
-    try:
-        return ask(ip, timeout=2).startswith("counter=")
-    except OSError:
-        return False
 
 
 def test_a_lazily_restored_workload_has_the_same_memory(agent: Bed, checkpointed: tuple[PodHandle, str, str]) -> None:

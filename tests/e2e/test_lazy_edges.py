@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from tests.e2e.bed import Bed, ask, container_detail, pod_detail, remove_pod, wait_for
-from tests.e2e.test_lazy import _lazy_processes, _memhog_pod, _sum, _try_ask
+from tests.e2e.bed import Bed, answers, ask, container_detail, pod_detail, remove_pod, wait_for
+from tests.e2e.test_lazy import _lazy_processes, _memhog_pod, _sum
 
 
 def _checkpoint(agent: Bed, mib: int) -> tuple[str, str, str]:
     pod = _memhog_pod(agent, "e2e-lazy-edge", mib)
     ip = pod_detail(agent, pod.id).ip
-    wait_for(lambda: _try_ask(ip), what="memhog to answer")
+    wait_for(lambda: answers(ip), what="memhog to answer")
     before = _sum(ask(ip))
     ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
     return pod.id, ckpt, before
