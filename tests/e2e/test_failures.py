@@ -60,9 +60,13 @@ def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
             container_detail(agent, pod.containers["shell"]).pid) == "THAWED", timeout=2, interval=0.01,
             what="the watchdog to thaw the pod")
         thawed_after = time.monotonic() - t_kill
-        n = max(ticks(log_path))
-        wait_for(lambda: max(ticks(log_path)) > n, timeout=2, interval=0.01, what="the pod to tick again")
         assert thawed_after < 2.0
+        # The watchdog's part ends there. If CRIU had already seized the
+        # tasks, they stay stopped under ptrace until CRIU's next exchange
+        # with the (killed) runc, at worst the end of the memory copy; it
+        # then lets go of them. Killing CRIU sooner would kill the tasks.
+        n = max(ticks(log_path))
+        wait_for(lambda: max(ticks(log_path)) > n, timeout=60, interval=0.01, what="the pod to tick again")
         # It stays thawed once CRIU is done (CRIU re-freezes a cgroup it found frozen).
         wait_for(lambda: not _criu_procs(), timeout=60, what="CRIU to finish")
         time.sleep(0.3)
@@ -73,7 +77,7 @@ def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
         assert not _criu_procs(), "a CRIU process was left behind"
         assert not _leftovers(agent), _leftovers(agent)
         n = max(ticks(log_path))
-        wait_for(lambda: max(ticks(log_path)) > n, timeout=5, what="the pod to keep ticking")
+        wait_for(lambda: max(ticks(log_path)) > n, timeout=30, what="the pod to keep ticking")
     finally:
         remove_pod(agent, pod.id)
 
@@ -90,7 +94,7 @@ def test_deadline_exceeded_resumes_pod_and_keeps_nothing(agent: Bed) -> None:
             assert "DEADLINE_EXCEEDED" in cp.stderr, cp.stderr
             assert freezer_state(server.pid) == "THAWED"
             n = max(ticks(server.log_path))
-            wait_for(lambda: max(ticks(server.log_path)) > n, timeout=5, what="the pod to keep ticking")
+            wait_for(lambda: max(ticks(server.log_path)) > n, timeout=30, what="the pod to keep ticking")
             wait_for(lambda: not _leftovers(agent), timeout=30, what=f"scratch files to go: {_leftovers(agent)}")
             assert _ids(agent) == before
         wait_for(lambda: not _criu_procs(), timeout=30, what="CRIU to exit")
