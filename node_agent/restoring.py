@@ -96,8 +96,9 @@ def _check_name(what: str, value: str, rx: re.Pattern[str] = _NAME_RE) -> str:
     return value
 
 
-def _read_json(store: Store, cid: str, path: str, limit: int = 16 << 20) -> Any:
-    with store.open(cid, path) as fh:
+def _read_json(store: Store, record: CheckpointRecord, path: str, limit: int = 16 << 20) -> Any:
+    cid = record.id
+    with store.open(record, path) as fh:
         if fh.size > limit:
             raise errors.DataLoss(f"checkpoint {cid}: {path} is larger than {limit} bytes")
         data = fh.read(fh.size)
@@ -117,7 +118,7 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
     ns = _check_name("checkpointed namespace", pod.get("namespace", ""))
     name = _check_name("checkpointed pod name", pod.get("name", ""))
     paths = {f.path for f in record.files}
-    pod_doc = _read_json(store, record.id, "pod/config.json")
+    pod_doc = _read_json(store, record, "pod/config.json")
     if not isinstance(pod_doc, Mapping) or not isinstance(pod_doc.get("config"), Mapping):
         raise errors.DataLoss(f"checkpoint {record.id}: pod/config.json has no config")
     containers = []
@@ -129,8 +130,8 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
         base = f"containers/{cname}"
         if f"{base}/config.dump" not in paths or f"{base}/spec.dump" not in paths:
             raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has no config.dump or spec.dump")
-        cfg = _read_json(store, record.id, f"{base}/config.dump")
-        spec = _read_json(store, record.id, f"{base}/spec.dump", limit=64 << 20)
+        cfg = _read_json(store, record, f"{base}/config.dump")
+        spec = _read_json(store, record, f"{base}/spec.dump", limit=64 << 20)
         if not isinstance(cfg, Mapping) or not isinstance(cfg.get("config"), Mapping) or not isinstance(spec, Mapping):
             raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has a malformed config.dump or spec.dump")
         containers.append((cname, cfg, spec))
@@ -242,6 +243,18 @@ class Restorer:
     async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
         store = req.source or self.store
         record = await asyncio.to_thread(store.get, req.checkpoint_id)
+        # Removing the checkpoint (or retention dropping it) meanwhile leaves
+        # its blobs in place until this restore is done with them.
+        hold = await asyncio.to_thread(store.hold, record.id)
+        try:
+            return await self._run_held(req, entry, phase, progress, store, record)
+        finally:
+            hold.release()
+
+    async def _run_held(
+        self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn, store: Store,
+        record: CheckpointRecord,
+    ) -> RestoredPod:
         saved = await asyncio.to_thread(load_saved, store, record)
         if req.pod_config is not None:
             given = req.pod_config.get("metadata") or {}
@@ -317,11 +330,11 @@ class Restorer:
         store = source or self.store
         try:
             sparse = lazy_pages_files(store, record) if lazy else {}
-            store.materialize(record.id, staging, prefix="containers", exclude=set(sparse))
+            store.materialize(record, staging, prefix="containers", exclude=set(sparse))
             for path, pm in sparse.items():
                 write_sparse_pages(store, record, staging, path, pm)
             if any(f.path == "pod/devshm.tar" for f in record.files):
-                store.materialize(record.id, staging, prefix="pod/devshm.tar")
+                store.materialize(record, staging, prefix="pod/devshm.tar")
         except errors.DataLoss as exc:
             raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
         except pagemap.PagemapError as exc:
@@ -372,8 +385,10 @@ class Restorer:
             await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, options, lazy)
             if lazy:
                 store = req.source or self.store
+                origin, passwords = _remote_access(store, record.id)
                 session = LazySession(self.settings, where, cname, cid, record.id, plan_dir, store.root,
-                                      passwords=_passwords_for(store, record.id))
+                                      origin=origin, passwords=passwords,
+                                      hold=await asyncio.to_thread(store.hold, record))
                 self._op_sessions.setdefault(entry.op_id, []).append(session)
                 await session.start()
                 self._track(session, store)
@@ -418,7 +433,7 @@ class Restorer:
         tmp = os.path.join(self.settings.work_dir, "cpuinfo-" + secrets.token_hex(4))
         os.makedirs(tmp, mode=0o700)
         try:
-            await asyncio.to_thread((source or self.store).materialize, record.id, tmp, prefix="pod/cpuinfo")
+            await asyncio.to_thread((source or self.store).materialize, record, tmp, prefix="pod/cpuinfo")
             try:
                 await self.criu.cpuinfo_check(os.path.join(tmp, "pod", "cpuinfo"))
             except RuntimeFailure as exc:
@@ -529,7 +544,7 @@ def lazy_pages_files(store: Store, record: CheckpointRecord) -> dict[str, pagema
             continue
         if f.size > pagemap.MAX_PAGEMAP_BYTES:
             raise pagemap.PagemapError(f"{f.path} is larger than {pagemap.MAX_PAGEMAP_BYTES} bytes")
-        with store.open(record.id, f.path) as fh:
+        with store.open(record, f.path) as fh:
             pm = pagemap.parse(fh.pread(0, f.size), int(m.group(2)))
         if pm.lazy_pages:
             out[f"containers/{m.group(1)}/checkpoint/{pm.pages_file}"] = pm
@@ -550,7 +565,7 @@ def write_sparse_pages(store: Store, record: CheckpointRecord, staging: str, pat
         os.close(dir_fd)
     try:
         os.ftruncate(fd, entry.size)
-        with store.open(record.id, path) as reader:
+        with store.open(record, path) as reader:
             for ext in pm.extents:
                 if ext.offset < 0 or ext.lazy:
                     continue
@@ -566,13 +581,13 @@ def write_sparse_pages(store: Store, record: CheckpointRecord, staging: str, pat
         os.close(fd)
 
 
-def _passwords_for(store: Store, checkpoint_id: str) -> dict[str, str]:
-    """The remembered password for a lazily pulled checkpoint's registry, if any (for its page source)."""
+def _remote_access(store: Store, checkpoint_id: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """A lazily pulled checkpoint's origin and the remembered password for it, if any (for its page source)."""
     from node_agent.registry.fetching import RemoteBlobs, repository_key
 
     origin = store.origin(checkpoint_id)
     fetcher = store.fetcher
     if origin is None or not isinstance(fetcher, RemoteBlobs):
-        return {}
+        return origin, {}
     key = repository_key(str(origin["reference"]))
-    return {key: fetcher.passwords[key]} if key in fetcher.passwords else {}
+    return origin, ({key: fetcher.passwords[key]} if key in fetcher.passwords else {})

@@ -38,6 +38,7 @@ from criu_bridge import logs
 from node_agent import errors
 from node_agent.config import Settings
 from node_agent.lazy.kill import kill_container
+from node_agent.store.blobs import Ingest
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,13 @@ class LazySession:
     checkpoint_id: str
     plan_dir: str
     store_root: str
-    # Passwords for the registry a lazily pulled checkpoint's pages come from.
+    # Where a lazily pulled checkpoint's missing pages come from (read when
+    # the restore began), and the password for that registry.
+    origin: dict[str, Any] | None = None
     passwords: dict[str, str] = field(default_factory=dict)
+    # The store's hold on the checkpoint's blobs (`Store.hold`), handed to
+    # the page source: it lasts exactly as long as the source does.
+    hold: Ingest | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _daemon: asyncio.subprocess.Process | None = None
@@ -118,21 +124,30 @@ class LazySession:
                 raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            held: list[str] = []
+            fds = [listener.fileno(), theirs.fileno()]
+            if self.hold is not None:
+                held = ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
+                fds.append(self.hold.lease_fd)
             try:
                 self._source = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "node_agent.lazy.source",
-                "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
+                    "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
                     "--images", self.images, "--peer-pid", str(self._daemon.pid),
                     "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
                     "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
-                    "--start-timeout", str(self.settings.timeouts.lazy_start),
-                    pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
+                    "--start-timeout", str(self.settings.timeouts.lazy_start), *held,
+                    pass_fds=fds, start_new_session=True,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errlog,
                 )
             finally:
                 os.close(errlog)
+            if self.hold is not None:
+                self.hold.detach()  # the source holds it now
         except BaseException:
             await self._stop_daemon()
+            if self.hold is not None:
+                self.hold.release()
             ours.close()
             raise
         finally:
@@ -143,7 +158,7 @@ class LazySession:
                 os.close(status_w)
         self._ctrl = ours
         try:
-            ours.sendall((json.dumps({"passwords": self.passwords}) + "\n").encode())
+            ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords}) + "\n").encode())
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")

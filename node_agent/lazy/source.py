@@ -30,6 +30,7 @@ import bisect
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -179,8 +180,10 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
 
 
 class Source:
-    def __init__(self, store: Store, checkpoint_id: str, container: str, images: str) -> None:
-        record = store.get(checkpoint_id)
+    def __init__(
+        self, store: Store, checkpoint_id: str, container: str, images: str, origin: dict[str, object] | None = None,
+    ) -> None:
+        record = store.held(checkpoint_id)  # the agent handed this process a hold on it
         self.checkpoint_id = record.id
         self.maps = pagemap.load_dir(images)
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="page-source")
@@ -191,7 +194,7 @@ class Source:
             entry = record.entry(path)
             if entry.size != pm.pages_size:
                 raise SourceError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.fetch_for(record.id))
+            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.fetch_for(record.id, origin))
             self.total += pm.lazy_pages
         self.served = 0
         self.requests = 0
@@ -323,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runc-root", required=True)
     p.add_argument("--container-id", required=True)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    # The store's hold on the checkpoint's blobs (its lease, inherited),
+    # kept until this process is done: see Store.hold.
+    p.add_argument("--hold-fd", type=int, default=-1)
+    p.add_argument("--hold-dir", default="")
     args = p.parse_args(argv)
     os.nice(10)  # like its daemon: the background transfer yields to foreground work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s page-source %(levelname)s %(message)s")
@@ -332,13 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     source: Source | None = None
     try:
         # First line from the agent: what this process may not take from its
-        # command line (passwords for a lazily pulled checkpoint's registry).
+        # command line (a lazily pulled checkpoint's origin, as the agent read
+        # it when the restore began, and the password for its registry).
         config = _read_json_line(ctrl, 30)
         store = Store(args.store)
         given = config.get("passwords")
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         store.fetcher = RemoteBlobs(store, passwords=passwords)
-        source = Source(store, args.checkpoint, args.container, args.images)
+        origin = config.get("origin")
+        if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):
+            origin = None
+        source = Source(store, args.checkpoint, args.container, args.images, origin)
         conn = accept_peer(listener, args.peer_pid, args.start_timeout)
         listener.close()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -376,6 +387,19 @@ def main(argv: list[str] | None = None) -> int:
             conn.close()
         if source is not None:
             source.close()
+        _end_hold(args.store, args.hold_dir, args.hold_fd)
+
+
+def _end_hold(store_root: str, hold_dir: str, fd: int) -> None:
+    """Remove the hold's directory (only one under the store's ``ingest/``), then drop its lease."""
+    ingest = os.path.join(os.path.abspath(store_root), "ingest")
+    if hold_dir and os.path.dirname(os.path.abspath(hold_dir)) == ingest and not os.path.islink(hold_dir):
+        shutil.rmtree(hold_dir, ignore_errors=True)
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -375,6 +375,32 @@ class Ingest:
             os.write(self._refs_fd, f"{digest}\n".encode())
             return self._blobs.size_of(digest) == size
 
+    def reference_all(self, digests: Iterable[str]) -> None:
+        """Record every digest in ``refs`` at once (the caller holds the shared store lock)."""
+        data = "".join(f"{d}\n" for d in sorted(set(digests))).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._refs_fd, view):]
+
+    @property
+    def lease_fd(self) -> int:
+        """The descriptor whose lock is the lease (inherit it to hand the lease on)."""
+        return self._lease_fd
+
+    def detach(self) -> None:
+        """Close this process's descriptors but keep the directory.
+
+        For a lease handed to a child process that inherited ``lease_fd``:
+        the lease then lives exactly as long as the child keeps it open, and
+        the child (or garbage collection, once the lease is dead) removes
+        the directory.
+        """
+        for name in ("_refs_fd", "_lease_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
     def add_pending(self, digest: str, size: int) -> None:
         """Note that ``temp_path(digest)`` holds ``size`` new bytes to link in at commit."""
         with self._mutex:
@@ -449,6 +475,12 @@ class Ingest:
             raise DataLoss(
                 f"blob {digest}: ingest copy failed verification ({st.st_size} bytes on disk, {size} written)"
             )
+
+    def __enter__(self) -> Ingest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Delete the ingest directory, then drop the lease. Idempotent."""

@@ -35,6 +35,7 @@ from node_agent.store.blobs import (
     O_DIRECTORY,
     O_NOFOLLOW,
     BlobStore,
+    Ingest,
     ensure_dir,
     fsync_dir,
     lease_is_live,
@@ -330,6 +331,37 @@ class Store:
         except OSError as exc:
             raise os_error(exc, f"creating an importer in {self.ingest_dir}") from exc
 
+    def hold(self, checkpoint: CheckpointRecord | str) -> Ingest:
+        """Keep every blob of a checkpoint while the returned lease lives, even if it is removed.
+
+        Restores take one for as long as they read the checkpoint, and each
+        lazily restored container's page source holds one until its pages are
+        in: removing the checkpoint (or retention dropping it) meanwhile only
+        unpublishes it, and the next collection after the lease ends deletes
+        the blobs. ``release()`` ends the lease; ``detach()`` hands it to a
+        child process that inherited ``lease_fd``. An id must name a
+        published checkpoint; a record is taken as it is (its reader holds
+        it already, or accepts that it may have gone).
+        """
+        published = not isinstance(checkpoint, CheckpointRecord)
+        cid = self._resolve(checkpoint) if isinstance(checkpoint, str) else checkpoint.id
+        try:
+            ingest = Ingest(self.ingest_dir, self.lock_path, self.blobs)
+        except OSError as exc:
+            raise os_error(exc, f"creating a hold in {self.ingest_dir}") from exc
+        try:
+            with store_lock(self.lock_path, exclusive=False):
+                if published and cid not in _index_digests(self._read_index()):
+                    raise NotFound(f"checkpoint {cid} not found")
+                ingest.reference_all(entry_refs(self.blobs, cid, ""))
+        except OSError as exc:
+            ingest.release()
+            raise os_error(exc, f"holding checkpoint {cid}") from exc
+        except BaseException:
+            ingest.release()
+            raise
+        return ingest
+
     # -- reading -----------------------------------------------------------------------------
 
     def list(self) -> builtins.list[CheckpointRecord]:
@@ -347,9 +379,17 @@ class Store:
         """The checkpoint for a full id or unique prefix."""
         return self._load(self._resolve(checkpoint_id))
 
-    def open(self, checkpoint_id: str, path: str) -> FileReader:
-        """A random-access reader for one regular file of a checkpoint."""
-        record = self.get(checkpoint_id)
+    def held(self, checkpoint_id: str) -> CheckpointRecord:
+        """The checkpoint with this full id, published or not: for a reader that holds it (`hold`)."""
+        return self._load("sha256:" + digest_hex(checkpoint_id))
+
+    def _as_record(self, checkpoint: CheckpointRecord | str) -> CheckpointRecord:
+        """A record as given (a reader that loaded it keeps reading it), or the published one for an id."""
+        return checkpoint if isinstance(checkpoint, CheckpointRecord) else self.get(checkpoint)
+
+    def open(self, checkpoint: CheckpointRecord | str, path: str) -> FileReader:
+        """A random-access reader for one regular file of a checkpoint (a record, or an id)."""
+        record = self._as_record(checkpoint)
         normalize_path(path)
         entry = record.entry(path)
         if entry.is_dir:
@@ -371,7 +411,8 @@ class Store:
         return verify_blobs(self.blobs, record, self.workers, remote_ok=origin is not None)
 
     def materialize(
-        self, checkpoint_id: str, dest: str | os.PathLike[str], *, prefix: str = "", exclude: Collection[str] = ()
+        self, checkpoint: CheckpointRecord | str, dest: str | os.PathLike[str], *, prefix: str = "",
+        exclude: Collection[str] = (),
     ) -> None:
         """Write a checkpoint's files (those at or under ``prefix``, if given) into ``dest``.
 
@@ -381,7 +422,7 @@ class Store:
         are in ``exclude`` are left out. Every chunk is verified; on any
         error everything this call created is removed again.
         """
-        record = self.get(checkpoint_id)
+        record = self._as_record(checkpoint)
         entries: Sequence[FileEntry] = record.files
         if prefix:
             normalize_path(prefix)
@@ -457,20 +498,35 @@ class Store:
 
     def fetch_chunk(self, checkpoint_id: str, chunk: Chunk) -> None:
         """Bring a missing chunk of a lazily pulled checkpoint in from its origin (verified on arrival)."""
-        origin = self.origin(checkpoint_id)
-        if origin is None:
+        fetch = self.fetch_for(checkpoint_id)
+        if fetch is None:
             raise DataLoss(f"blob {chunk.digest} is missing")
-        if self.fetcher is None:
-            raise FailedPrecondition(
-                f"blob {chunk.digest} is still only in {origin['reference']} (pulled lazily), "
-                "and nothing here can fetch it"
-            )
-        self.fetcher(origin, chunk)
+        fetch(chunk)
 
-    def fetch_for(self, checkpoint_id: str) -> Callable[[Chunk], None] | None:
-        if self.origin(checkpoint_id) is None:
+    def fetch_for(
+        self, checkpoint_id: str, origin: Mapping[str, Any] | None = None
+    ) -> Callable[[Chunk], None] | None:
+        """A fetcher of the checkpoint's missing chunks, or None if it has no origin.
+
+        The origin is read once, here, unless the caller read it earlier and
+        passes it: a reader that started keeps fetching even if the
+        checkpoint is removed meanwhile (see `hold`).
+        """
+        if origin is None:
+            origin = self.origin(checkpoint_id)
+        if origin is None:
             return None
-        return lambda chunk: self.fetch_chunk(checkpoint_id, chunk)
+        where = str(origin.get("reference"))
+
+        def fetch(chunk: Chunk) -> None:
+            if self.fetcher is None:
+                raise FailedPrecondition(
+                    f"blob {chunk.digest} is still only in {where} (pulled lazily), "
+                    "and nothing here can fetch it"
+                )
+            self.fetcher(origin, chunk)
+
+        return fetch
 
     # -- moving checkpoints between stores ---------------------------------------------------
 

@@ -197,6 +197,37 @@ def test_a_corrupt_chunk_stops_the_source_and_names_the_file(lazy_checkpoint: tu
     assert "pages-1.img" in str(result[0]) and victim.digest in str(result[0])
 
 
+def test_a_held_checkpoint_removed_mid_transfer_still_serves_and_fetches(
+    lazy_checkpoint: tuple[Store, str, Path], tmp_path: Path
+) -> None:
+    """The store's hold keeps the blobs; the origin the agent read keeps missing chunks coming."""
+    store, cid, images = lazy_checkpoint
+    entry = store.get(cid).entry("containers/c/checkpoint/pages-1.img")
+    remote = entry.chunks[-1]
+    away = tmp_path / "registry-copy"
+    os.replace(store.blob_path(remote.digest), away)  # as a lazy pull leaves it: only at the origin
+    origin = {"reference": "registry.test/ckpt@" + cid}
+    store.set_origin(cid, origin)
+    asked: list[object] = []
+
+    def fetcher(where: object, chunk: object) -> None:
+        asked.append(where)
+        os.link(away, store.blob_path(remote.digest))
+
+    store.fetcher = fetcher
+    with store.hold(cid):
+        store.remove(cid)  # unpublishes it and forgets its origin
+        assert store.origin(cid) is None
+        daemon, t, result = _serve(Source(store, cid, "c", str(images), origin))
+        got, _, data = daemon.get(42, 0x7F0000400000, 5)
+        assert data == _pages_bytes(307)[302 * PAGE:]
+        got, _, data = daemon.get(42, 0x7F0000000000, 1)
+        assert data == _pages_bytes(307)[2 * PAGE:3 * PAGE]
+        assert daemon.close() == 0
+        t.join(5)
+    assert result == [True] and asked == [origin]
+
+
 def test_a_disconnect_mid_request_is_an_error(lazy_checkpoint: tuple[Store, str, Path]) -> None:
     store, cid, images = lazy_checkpoint
     daemon, t, result = _serve(Source(store, cid, "c", str(images)))

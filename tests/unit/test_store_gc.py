@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.errors import InvalidArgument
+from node_agent.errors import InvalidArgument, NotFound
 from node_agent.store import CheckpointRecord, RetentionPolicy, Store
 from node_agent.store.manifest import CREATED_ANNOTATION
 
@@ -138,6 +138,68 @@ def test_gc_removes_dead_ingest_dirs(store: Store) -> None:
     assert store.gc(dry_run=True).removed_blobs == () and dead.exists()
     store.gc()
     assert not dead.exists()
+
+
+# -- holds: readers keep what they read ---------------------------------------------------------
+
+
+def test_a_hold_keeps_a_removed_checkpoint_readable_until_it_ends(store: Store) -> None:
+    data = os.urandom(5000)
+    a = _commit(store, {"f": data}, at=0, pod="ns/a")
+    blobs = _blobs(store)
+    hold = store.hold(a.id)
+    report = store.gc(RetentionPolicy(max_age_seconds=1))  # retention drops it meanwhile
+    assert report.removed_checkpoints == (a.id,) and report.removed_blobs == ()
+    assert _ids(store) == set() and _blobs(store) == blobs
+    # A reader that holds it goes on reading, by the record it loaded or by id.
+    with store.open(a, "f") as fh:
+        assert fh.read(fh.size) == data
+    assert store.held(a.id).files == a.files
+    with pytest.raises(NotFound):
+        store.get(a.id)
+    hold.release()
+    assert not os.listdir(store.ingest_dir)
+    store.gc()
+    assert _blobs(store) == set()
+
+
+def test_a_hold_needs_a_published_checkpoint_unless_given_the_record(store: Store) -> None:
+    a = _commit(store, {"f": os.urandom(3000)}, at=0)
+    with store.hold(a.id) as first:
+        store.remove(a.id)
+        with pytest.raises(NotFound):
+            store.hold(a.id)
+        second = store.hold(a)  # the reader already holds it
+        first.release()
+        assert store.gc().removed_blobs == ()
+        second.release()
+    assert store.gc().removed_blobs != ()
+
+
+def _hold_in_child(fd: int, go: Any, done: Any) -> None:
+    go.wait(30)
+    os.close(fd)
+    done.set()
+
+
+def test_a_hold_handed_to_a_child_lasts_as_long_as_the_child_keeps_it(store: Store) -> None:
+    a = _commit(store, {"f": os.urandom(3000)}, at=0)
+    hold = store.hold(a.id)
+    ctx = multiprocessing.get_context("fork")
+    go, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_in_child, args=(hold.lease_fd, go, done))
+    child.start()
+    try:
+        hold.detach()  # the parent lets go; the child's inherited descriptor keeps the lease
+        store.remove(a.id)
+        assert store.gc().removed_blobs == () and os.listdir(store.ingest_dir)
+        go.set()
+        assert done.wait(30)
+    finally:
+        go.set()
+        child.join(30)
+    store.gc()
+    assert _blobs(store) == set() and not os.listdir(store.ingest_dir)
 
 
 # -- races ------------------------------------------------------------------------------------
