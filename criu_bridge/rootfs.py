@@ -38,8 +38,10 @@ parser of `tarstream` (ustar, PAX and GNU long names) rather than tarfile.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Iterator
 
 from . import tarstream
 from .errors import BridgeError, InvalidInput, LimitExceeded
@@ -510,17 +512,21 @@ def _read_exact(fd: int, size: int, what: bytes) -> bytes:
     return data
 
 
-def _send_exact(out_fd: int, src_fd: int, size: int, what: bytes) -> None:
-    offset = 0
+def _copy_blocks(out_fd: int, src_fd: int, offset: int, size: int) -> Iterator[int]:
+    """Copy ``size`` bytes of ``src_fd`` from ``offset`` to ``out_fd`` in blocks of up to 1 MiB.
+
+    Uses sendfile, falling back to pread and write where the files do not
+    allow it. Yields each block's length; a 0 means the source ended early
+    (the caller says what that means) and ends the copy.
+    """
+    end = offset + size
     use_sendfile = True
-    while offset < size:
-        count = min(_CHUNK, size - offset)
+    while offset < end:
+        count = min(_CHUNK, end - offset)
         if use_sendfile:
             try:
                 n = os.sendfile(out_fd, src_fd, offset, count)
             except OSError as e:
-                import errno
-
                 if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                     raise
                 use_sendfile = False
@@ -531,9 +537,16 @@ def _send_exact(out_fd: int, src_fd: int, size: int, what: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(out_fd, view) :]
+        yield n
+        if n == 0:
+            return
+        offset += n
+
+
+def _send_exact(out_fd: int, src_fd: int, size: int, what: bytes) -> None:
+    for n in _copy_blocks(out_fd, src_fd, 0, size):
         if n == 0:
             raise BridgeError(f"{_show(what)} shrank while it was captured")
-        offset += n
 
 
 # --------------------------------------------------------------------------
@@ -940,8 +953,6 @@ class _Applier:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         except (NotADirectoryError, OSError) as e:
-            import errno
-
             if isinstance(e, NotADirectoryError) or e.errno == errno.ELOOP:
                 raise _NotDir() from None
             raise
@@ -1259,32 +1270,10 @@ class _Applier:
     def _copy(self, tar_fd: int, out_fd: int, m: _Member, key: bytes) -> None:
         """Stream the member's content in 1 MiB blocks, enforcing the bounds."""
         limits = self.limits
-        offset = m.offset
-        remaining = m.size
         copied = 0
-        use_sendfile = True
-        while remaining:
-            count = min(_CHUNK, remaining)
-            if use_sendfile:
-                try:
-                    n = os.sendfile(out_fd, tar_fd, offset, count)
-                except OSError as e:
-                    import errno
-
-                    if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                        raise
-                    use_sendfile = False
-                    continue
-            else:
-                data = os.pread(tar_fd, count, offset)
-                n = len(data)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(out_fd, view) :]
+        for n in _copy_blocks(out_fd, tar_fd, m.offset, m.size):
             if n == 0:
                 raise InvalidInput(f"tar member {_show(key)}: archive is truncated")
-            offset += n
-            remaining -= n
             copied += n
             self.total += n
             if copied > limits.max_file_bytes:
