@@ -386,9 +386,16 @@ class Restorer:
             if lazy:
                 store = req.source or self.store
                 origin, passwords = _remote_access(store, record.id)
-                session = LazySession(self.settings, where, cname, cid, record.id, plan_dir, store.root,
-                                      origin=origin, passwords=passwords,
-                                      hold=await asyncio.to_thread(store.hold, record))
+                # The page source holds the blobs it serves until its pages are
+                # in: a hold in our store, or links to a caller's checkpoint.
+                private = None
+                if req.source is not None:
+                    private = await asyncio.to_thread(_private_source, store, record, plan_dir, where, cname)
+                hold = await asyncio.to_thread(store.hold, record) if private is None else None
+                session = LazySession(self.settings, where, cname, cid, record.id, plan_dir,
+                                      store.root if private is None else private.root,
+                                      origin=origin, passwords=passwords, hold=hold,
+                                      private_store=private is not None)
                 self._op_sessions.setdefault(entry.op_id, []).append(session)
                 await session.start()
                 self._track(session, store)
@@ -579,6 +586,24 @@ def write_sparse_pages(store: Store, record: CheckpointRecord, staging: str, pat
         os.fchmod(fd, entry.mode & 0o777)
     finally:
         os.close(fd)
+
+
+SOURCE_STORE = "source-store"
+
+
+def _private_source(store: Store, record: CheckpointRecord, plan_dir: str, where: str, cname: str) -> Store | None:
+    """Hard links to a caller's checkpoint blobs in the plan dir, for the page source (None if impossible).
+
+    A CRI RestorePod caller owns ``checkpoint_path`` and may delete it once
+    the call returns: the links keep the pages readable until they are in.
+    """
+    try:
+        return store.link_into(record, os.path.join(plan_dir, SOURCE_STORE))
+    except OSError as exc:
+        log.warning("restore of pod %s, container %s: cannot link the checkpoint's blobs from %s (%s); "
+                    "its pages are read from there, which must stay until they are in",
+                    where, cname, store.root, exc.strerror, extra={"pod": where, "container": cname})
+        return None
 
 
 def _remote_access(store: Store, checkpoint_id: str) -> tuple[dict[str, Any] | None, dict[str, str]]:

@@ -74,6 +74,9 @@ class LazySession:
     # The store's hold on the checkpoint's blobs (`Store.hold`), handed to
     # the page source: it lasts exactly as long as the source does.
     hold: Ingest | None = None
+    # ``store_root`` is the source's own (hard links to a caller's
+    # checkpoint, in the plan dir): the source removes it when it ends.
+    private_store: bool = False
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _daemon: asyncio.subprocess.Process | None = None
@@ -124,10 +127,10 @@ class LazySession:
                 raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            held: list[str] = []
+            held: list[str] = ["--private-store"] if self.private_store else []
             fds = [listener.fileno(), theirs.fileno()]
             if self.hold is not None:
-                held = ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
+                held += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
                 fds.append(self.hold.lease_fd)
             try:
                 self._source = await asyncio.create_subprocess_exec(

@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     # kept until this process is done: see Store.hold.
     p.add_argument("--hold-fd", type=int, default=-1)
     p.add_argument("--hold-dir", default="")
+    # --store is this process's own (hard links in the restore plan): remove it at the end.
+    p.add_argument("--private-store", action="store_true")
     args = p.parse_args(argv)
     os.nice(10)  # like its daemon: the background transfer yields to foreground work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s page-source %(levelname)s %(message)s")
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         if source is not None:
             source.close()
         _end_hold(args.store, args.hold_dir, args.hold_fd)
+        if args.private_store and os.path.isfile(os.path.join(args.store, "oci-layout")):
+            shutil.rmtree(args.store, ignore_errors=True)
 
 
 def _end_hold(store_root: str, hold_dir: str, fd: int) -> None:

@@ -362,6 +362,33 @@ class Store:
             raise
         return ingest
 
+    def link_into(self, checkpoint: CheckpointRecord, root: str) -> Store:
+        """A new private store at ``root`` (which must not exist) with hard links to the checkpoint's blobs.
+
+        Its readers keep reading whatever later happens to this store: made
+        for a lazy restore from a caller's directory (CRI RestorePod), which
+        the caller may delete once the call returns. Nothing is published
+        there (`held` loads the checkpoint). The blobs are linked as they are,
+        never trusted: readers verify each one as they read it. Works within
+        one filesystem only (OSError with EXDEV otherwise); on any error
+        ``root`` is removed again.
+        """
+        os.mkdir(root, 0o700)
+        try:
+            dest = Store(root, chunk_size=self.chunk_size, workers=self.workers)
+            for digest in sorted(entry_refs(self.blobs, checkpoint.id, "")):
+                src = self.blobs.path(digest)
+                try:
+                    if not stat.S_ISREG(os.lstat(src).st_mode):
+                        continue  # read from the caller's store it would fail too: let the reader say so
+                except FileNotFoundError:
+                    continue
+                os.link(src, dest.blobs.path(digest), follow_symlinks=False)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return dest
+
     # -- reading -----------------------------------------------------------------------------
 
     def list(self) -> builtins.list[CheckpointRecord]:

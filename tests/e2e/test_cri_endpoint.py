@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
@@ -126,12 +127,19 @@ def test_pod_run_listed_checkpointed_and_restored_through_the_endpoint(agent: Be
         pd = via_agent(agent, lambda c: c.pod_status(dst_id))
         assert (pd.pod.namespace, pd.pod.name, pd.pod.uid) == ("e2e-cri-dst", new_name, pcfg["metadata"]["uid"])
 
+        # The caller owns checkpoint_path and may delete it once RestorePod
+        # returns, even though this restore is lazy (the default).
+        shutil.rmtree(out)
         via_agent(agent, lambda c: c.start_container(cid))
         new_log = container_detail(agent, cid).log_path
         assert new_log.startswith(pcfg["log_directory"])
         wait_for(lambda: len(ticks(new_log)) >= 3, what="restored ticks")
         first = ticks(new_log)[0]
         assert first > 5 and first >= at_checkpoint - 1, f"the counter restarted: first tick {first}"
+        plan = os.path.join(agent.store, "plans", cid)
+        wait_for(lambda: os.path.exists(os.path.join(plan, "lazy.done")), timeout=60, what="every page in")
+        assert not os.path.exists(os.path.join(plan, "source-store"))
+        assert container_detail(agent, cid).container.state == "CONTAINER_RUNNING"
     finally:
         remove_pod(agent, src.id)
         if dst_id:

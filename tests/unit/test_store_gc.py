@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -200,6 +201,25 @@ def test_a_hold_handed_to_a_child_lasts_as_long_as_the_child_keeps_it(store: Sto
         child.join(30)
     store.gc()
     assert _blobs(store) == set() and not os.listdir(store.ingest_dir)
+
+
+def test_links_into_a_private_store_outlive_the_original(store: Store, tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    a = _commit(store, {"f": data, "g": b"small"}, at=0)
+    private = store.link_into(a, str(tmp_path / "private"))
+    assert _blobs(private) == _blobs(store) and private.list() == []
+    # A blob replaced by a symlink in the original is not followed into the copy.
+    victim = sorted(_blobs(store) - {a.id})[0]
+    os.unlink(store.blob_path(victim))
+    os.symlink("/etc/passwd", store.blob_path(victim))
+    again = store.link_into(a, str(tmp_path / "again"))
+    assert victim not in _blobs(again)
+    with pytest.raises(FileExistsError):
+        store.link_into(a, str(tmp_path / "again"))
+    shutil.rmtree(store.root)
+    record = private.held(a.id)
+    with private.open(record, "f") as fh:
+        assert fh.read(fh.size) == data
 
 
 # -- races ------------------------------------------------------------------------------------
