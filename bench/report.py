@@ -520,10 +520,11 @@ READING = """\
   which is what the lazy restore does; its pages are still verified, chunk
   by chunk, as they are served.
 - **Lazy replicas** are restored while the earlier ones still stream their
-  memory in. The daemons and page sources doing that run at nice 10, so the
-  next restore's StartContainer is not starved; the transfers then take
-  longer ("all pages in"), and a replica's first touches of missing pages
-  may wait longer under that load (the tick gaps).
+  memory in. The daemons and page sources doing that run at nice 10, and so
+  do their sessions' autogroups (a task's nice alone weighs nothing against
+  other sessions), so the next restore's StartContainer is not starved; the
+  transfers then take longer ("all pages in"), and a replica's first
+  touches of missing pages may wait longer under that load (the tick gaps).
 """
 
 

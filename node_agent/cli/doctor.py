@@ -146,6 +146,8 @@ def run_checks(s: Settings) -> list[Check]:
     else:
         checks.append(Check("cgroups", "FAIL", "no cgroup freezer found: pods cannot be paused"))
 
+    checks.append(criu_cache_check(mounts()))
+
     if shutil.which("iptables-restore") or shutil.which("nft"):
         checks.append(Check("network lock", "OK", "iptables-restore/nft present for CRIU's network lock"))
     else:
@@ -220,6 +222,18 @@ def mount_of(path: str, table: list[Mount]) -> Mount | None:
         if (path == p or path.startswith(p.rstrip("/") + "/")) and (best is None or len(p) >= len(best.point)):
             best = m
     return best
+
+
+def criu_cache_check(table: list[Mount]) -> Check:
+    """CRIU keeps its kernel-feature probes in /run/criu.kdat only when /run is a tmpfs."""
+    run = mount_of("/run", table)
+    if run is not None and run.fstype == "tmpfs":
+        return Check("criu cache", "OK", "/run is a tmpfs: CRIU keeps its kernel-feature cache (/run/criu.kdat)")
+    return Check("criu cache", "WARN",
+                 f"/run is {run.fstype if run else 'unknown'}, not a tmpfs: CRIU cannot keep its kernel-feature cache "
+                 "(/run/criu.kdat) and probes the kernel again, iptables included, on every dump and restore "
+                 "(tens of milliseconds each, inside StartContainer)",
+                 "mount /run as a tmpfs (systemd does so by default)")
 
 
 def in_container(table: list[Mount]) -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 from criu_bridge import logs
 from node_agent import errors
 from node_agent.config import Settings
+from node_agent.lazy import background
 from node_agent.lazy.kill import kill_container
 from node_agent.store.blobs import Ingest
 
@@ -46,7 +47,6 @@ DONE_FILE = "lazy.done"
 FAILED_FILE = "lazy.failed"
 DAEMON_LOG = "lazy-pages.log"
 SOCKET_NAME = "lazy-pages.socket"
-BACKGROUND_NICE = 10
 
 
 @dataclass
@@ -111,14 +111,16 @@ class LazySession:
             listener.listen(1)
             port = listener.getsockname()[1]
             # The background transfer yields to foreground work (the next
-            # restore, most of all): both the daemon and the source run niced.
+            # restore, most of all): both the daemon and the source run at
+            # the background priority (`background`).
             self._daemon = await asyncio.create_subprocess_exec(
-                "nice", "-n", str(BACKGROUND_NICE), self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
+                self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
                 "--images-dir", self.images, "--work-dir", self.work, "--log-file", DAEMON_LOG,
                 "--status-fd", str(status_w),
                 pass_fds=(status_w,), start_new_session=True,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             )
+            background.lower(self._daemon.pid)
             os.close(status_w)
             status_w = -1
             ready = await asyncio.wait_for(asyncio.to_thread(os.read, status_r, 1), 10)

@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
 from node_agent.errors import AgentError
-from node_agent.lazy import pagemap, protocol
+from node_agent.lazy import background, pagemap, protocol
 from node_agent.lazy.kill import kill_container
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import Store
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     # --store is this process's own (hard links in the restore plan): remove it at the end.
     p.add_argument("--private-store", action="store_true")
     args = p.parse_args(argv)
-    os.nice(10)  # like its daemon: the background transfer yields to foreground work
+    background.lower(os.getpid())  # like its daemon: the transfer yields to foreground work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s page-source %(levelname)s %(message)s")
     ctrl = socket.socket(fileno=args.control_fd)
     listener = socket.socket(fileno=args.listen_fd)

@@ -45,6 +45,18 @@ def test_mount_table_and_longest_prefix(tmp_path: Path) -> None:
     assert m is not None and m.fstype == "ext4"
 
 
+def test_criu_cache_needs_run_on_a_tmpfs(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text("22 1 0:21 / / rw - ext4 /dev/vda rw\n")
+    check = doctor.criu_cache_check(doctor.mounts(str(info)))
+    assert check.verdict == "WARN" and "/run is ext4" in check.detail and "criu.kdat" in check.detail
+    info.write_text("22 1 0:21 / / rw - ext4 /dev/vda rw\n23 22 0:22 / /run rw - tmpfs tmpfs rw\n")
+    assert doctor.criu_cache_check(doctor.mounts(str(info))).verdict == "OK"
+    # This machine's answer matches its own mount table.
+    here = doctor.mount_of("/run", doctor.mounts())
+    assert doctor.criu_cache_check(doctor.mounts()).verdict == ("OK" if here and here.fstype == "tmpfs" else "WARN")
+
+
 def _pci(sysfs: Path, bdf: str, vendor: str, klass: str) -> None:
     d = sysfs / "bus/pci/devices" / bdf
     d.mkdir(parents=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import struct
 import threading
 from pathlib import Path
 
 import pytest
 
-from node_agent.lazy import pagemap, protocol
+from node_agent.lazy import background, pagemap, protocol
 from node_agent.lazy.source import Source, SourceError
 from node_agent.restoring import lazy_pages_files, write_sparse_pages
 from node_agent.store import Store
@@ -258,3 +259,31 @@ def test_staging_writes_only_the_pages_that_cannot_come_lazily(
     assert data[2 * PAGE:] == b"\0" * (305 * PAGE)
     # Sparse on disk: the lazy part takes no blocks.
     assert os.stat(target).st_blocks * 512 < 64 * PAGE
+
+
+def test_background_priority_lowers_the_process_and_its_session() -> None:
+    """Nice 10 for the task and, where the kernel groups sessions (autogroup), for its session."""
+    def own_group() -> str:
+        try:
+            with open("/proc/self/autogroup", encoding="ascii") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
+
+    mine = own_group()
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        background.lower(child.pid)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == background.NICE
+        background.lower(child.pid)  # never lowered twice
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == background.NICE
+        try:
+            with open(f"/proc/{child.pid}/autogroup", encoding="ascii") as fh:
+                group = fh.read()
+        except FileNotFoundError:
+            return  # a kernel without autogroup
+        assert group.strip().endswith(f"nice {background.NICE}"), group
+        assert own_group() == mine, "the caller's own session changed"
+    finally:
+        child.kill()
+        child.wait()
