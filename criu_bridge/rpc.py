@@ -451,7 +451,8 @@ async def _shielded(cleanup: Coroutine[object, object, None], name: str) -> None
         await asyncio.shield(task)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(task), _REAP_DEADLINE_S + 1)
+            async with asyncio.timeout(_REAP_DEADLINE_S + 1):
+                await asyncio.shield(task)
         raise
 
 

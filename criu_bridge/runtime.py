@@ -113,7 +113,8 @@ async def reap(proc: asyncio.subprocess.Process, *, grace: float) -> None:
     """Wait up to `grace` seconds for `proc`, then kill its session and reap it."""
     if proc.returncode is None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+            async with asyncio.timeout(grace):
+                await asyncio.shield(proc.wait())
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

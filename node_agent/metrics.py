@@ -250,7 +250,8 @@ async def _answer(metrics: Metrics, reader: asyncio.StreamReader, writer: asynci
     finally:
         writer.close()
         try:
-            await asyncio.wait_for(writer.wait_closed(), 5)
+            async with asyncio.timeout(5):
+                await writer.wait_closed()
         except (ConnectionError, TimeoutError):
             pass
 

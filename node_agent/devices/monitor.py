@@ -81,6 +81,7 @@ class DeviceMonitor:
         self._dra_error = ""
         self._snapshot = Snapshot(node=self.node, dra_status=self.kube_status)
         self._new = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Its own threads, so a hung sysfs or NVML read cannot starve the daemon's default executor.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="devices")
@@ -118,7 +119,8 @@ class DeviceMonitor:
             self._nvml_scan = loop.run_in_executor(self._executor, self.nvml.scan)
             self._nvml_since = self.clock()
         try:
-            return await asyncio.wait_for(asyncio.shield(self._nvml_scan), NVML_TIMEOUT)
+            async with asyncio.timeout(NVML_TIMEOUT):
+                return await asyncio.shield(self._nvml_scan)
         except TimeoutError:
             waited = self.clock() - self._nvml_since
             return GpuScan(error=f"NVML has not answered for {waited:.0f}s")
@@ -212,23 +214,32 @@ class DeviceMonitor:
     # ---- the loop -----------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
+        # Ends on cancellation, or at the next turn once `stop` says so (a
+        # cancellation that a library call swallowed must not keep it going).
+        while not self._stopping.is_set():
             try:
                 await self.poll()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - logged; the next round tries again
                 log.exception("device poll failed", extra={"phase": "devices"})
-            await asyncio.sleep(self.policy.poll_interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.policy.poll_interval):
+                    await self._stopping.wait()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="device-monitor")
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():
+                    raise  # stop itself is being cancelled, not just the task it ended
             self._task = None
         if self._nvml_scan is None or self._nvml_scan.done():
             await asyncio.to_thread(self.nvml.close)

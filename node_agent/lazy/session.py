@@ -123,7 +123,8 @@ class LazySession:
             background.lower(self._daemon.pid)
             os.close(status_w)
             status_w = -1
-            ready = await asyncio.wait_for(asyncio.to_thread(os.read, status_r, 1), 10)
+            async with asyncio.timeout(10):
+                ready = await asyncio.to_thread(os.read, status_r, 1)
             if not ready:
                 await self._stop_daemon()
                 raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
@@ -237,7 +238,8 @@ class LazySession:
         if self._source is None:
             return "not started"
         try:
-            rc = await asyncio.wait_for(self._source.wait(), 5)
+            async with asyncio.timeout(5):
+                rc = await self._source.wait()
         except TimeoutError:
             return "still running"
         return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
@@ -256,7 +258,8 @@ class LazySession:
             if not self._connected and not outcome.ok:
                 self._source.kill()  # it never got a connection: nothing to finish
             try:
-                await asyncio.wait_for(self._source.wait(), 10)
+                async with asyncio.timeout(10):
+                    await self._source.wait()
             except TimeoutError:
                 self._source.kill()
                 await self._source.wait()
@@ -299,7 +302,8 @@ class LazySession:
         if self._daemon is None or self._daemon.returncode is not None:
             return
         try:
-            await asyncio.wait_for(self._daemon.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._daemon.wait()
         except TimeoutError:
             await self._stop_daemon()
 

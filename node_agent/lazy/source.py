@@ -364,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         complete = source.serve(conn)
         if not complete:
             raise SourceError(f"the lazy-pages daemon disconnected after {source.served} of {source.total} pages")
+        took = time.monotonic() - start
+        log.info("served %d of %d lazy pages in %d requests, %.2fs", source.served, source.total, source.requests, took)
         _tell(ctrl, {"event": "done", "pages": source.served, "total": source.total,
-                     "requests": source.requests, "seconds": round(time.monotonic() - start, 3)})
+                     "requests": source.requests, "seconds": round(took, 3)})
         # The daemon closes its end after our status; wait for that (bounded).
         conn.settimeout(5)
         try:

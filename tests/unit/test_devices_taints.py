@@ -318,3 +318,32 @@ def test_rule_names_effects_and_manifests() -> None:
     name = rule_name(long_node, GPU, "temperature", a, False)
     assert name.startswith("node-agent-") and len(name) <= 63
     assert name == rule_name(long_node, GPU, "temperature", a, False)
+
+
+async def test_stop_ends_the_monitor_even_when_a_poll_swallows_the_cancellation(tmp_path: Path) -> None:
+    """Python 3.11's wait_for could eat a cancellation that met a finishing call; stop must not hang on it."""
+    import asyncio
+
+    node_tree(tmp_path / "sys")
+    s = Settings(sysfs_root=str(tmp_path / "sys"), devices=Devices(node_name=NODE, poll_interval=30.0))
+    m = DeviceMonitor(s, kube=None, kube_status="off", nvml=no_nvml())
+    polls = 0
+    entered = asyncio.Event()
+
+    async def stubborn_poll() -> None:
+        nonlocal polls
+        polls += 1
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if polls > 1:
+                raise
+            # the first one is swallowed, as the buggy wait_for did
+
+    m.poll = stubborn_poll  # type: ignore[method-assign,assignment]
+    m.start()
+    await entered.wait()
+    async with asyncio.timeout(10):
+        await m.stop()
+    assert polls == 1
