@@ -542,6 +542,21 @@ READING = """\
   1 GiB took 191 to 260 ms each to start (median 229 ms), against 230 to
   335 ms without it on the same day. That edge, not the agent, is where the
   ten-replica target sits on this machine.
+- **Frozen window, one container.** For one pod-wide cut the agent freezes
+  every container first and then starts `runc checkpoint`, so the start-up
+  of runc and CRIU falls inside its window, while bare `runc checkpoint`
+  lets CRIU freeze the container once it has started. On this VM that
+  start-up includes CRIU's kernel probes (next item, some 80 to 100 ms), so
+  the two windows come out close and their ratio moves around 1.0x with the
+  machine's noise. With two containers the agent's parallel capture wins
+  clearly.
+- **Every page in, against a full restore.** CRIU's lazy-pages daemon asks
+  for one range at a time and waits for it (about 1 MiB each once no page
+  faults interrupt it: some 1040 requests per GiB), so the transfer is paced
+  by that round trip (the page source's log gives the count and the time),
+  not by reading the store. The full restore it is compared with varies most
+  of all between runs on this VM (1.6 to 2.9 s for 1 GiB), and the ratio
+  with it.
 - **Lazy replicas** are restored while the earlier ones still stream their
   memory in. The daemons and page sources doing that run at nice 10, and so
   do their sessions' autogroups (a task's nice alone weighs nothing against
