@@ -43,15 +43,11 @@ def _read(path: str) -> str:
 
 
 def _fstype(path: str) -> str:
-    """The filesystem type of the mount ``path`` lies on (the longest mount point above it)."""
-    best, kind = "", "unknown"
-    for line in _read("/proc/self/mounts").splitlines():
-        f = line.split()
-        if len(f) >= 3:
-            point = f[1].rstrip("/") or "/"
-            if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, kind = point, f[2]
-    return kind
+    """The filesystem type of the mount ``path`` lies on."""
+    from node_agent.cli.doctor import mount_of, mounts
+
+    found = mount_of(path, mounts())
+    return found.fstype if found is not None else "unknown"
 
 
 def machine_info(repo: Path) -> dict[str, Any]:

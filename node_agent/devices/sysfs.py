@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Iterator
 
 from node_agent.devices.types import Inventory, Link, NumaNode, PciDevice, Temperature
 
@@ -110,19 +111,24 @@ def _milli(path: str) -> float:
     return v / 1000.0 if v is not None else 0.0
 
 
-def _hwmon(root: str, bdfs: set[str]) -> dict[str, list[Temperature]]:
-    """Temperatures by the BDF of the PCI device each hwmon sits below."""
-    out: dict[str, list[Temperature]] = {}
-    base = os.path.join(root, "class", "hwmon")
+def _class_members(root: str, cls: str, bdfs: set[str], limit: int) -> Iterator[tuple[str, str, str]]:
+    """(name, path, owner BDF) of the first ``limit`` members of ``/sys/class/<cls>`` below a known PCI function."""
+    base = os.path.join(root, "class", cls)
     try:
-        names = sorted(os.listdir(base))[:MAX_SENSORS]
+        names = sorted(os.listdir(base))[:limit]
     except OSError:
-        return out
+        return
     for name in names:
         path = os.path.join(base, name)
         owner = _owner(path, bdfs)
-        if owner is None:
-            continue
+        if owner is not None:
+            yield name, path, owner
+
+
+def _hwmon(root: str, bdfs: set[str]) -> dict[str, list[Temperature]]:
+    """Temperatures by the BDF of the PCI device each hwmon sits below."""
+    out: dict[str, list[Temperature]] = {}
+    for name, path, owner in _class_members(root, "hwmon", bdfs, MAX_SENSORS):
         chip = read_text(os.path.join(path, "name"), 64) or name
         try:
             inputs = sorted(f for f in os.listdir(path) if re.fullmatch(r"temp[0-9]{1,2}_input", f))
@@ -151,15 +157,8 @@ def _owner(path: str, bdfs: set[str]) -> str | None:
 def _interfaces(root: str, bdfs: set[str]) -> dict[str, list[str]]:
     """Network interface names by the BDF of the PCI function (or virtio device's function) below them."""
     out: dict[str, list[str]] = {}
-    base = os.path.join(root, "class", "net")
-    try:
-        names = sorted(os.listdir(base))[:MAX_DEVICES]
-    except OSError:
-        return out
-    for name in names:
-        owner = _owner(os.path.join(base, name), bdfs)
-        if owner is not None:
-            out.setdefault(owner, []).append(name)
+    for name, _, owner in _class_members(root, "net", bdfs, MAX_DEVICES):
+        out.setdefault(owner, []).append(name)
     return out
 
 

@@ -130,10 +130,10 @@ class LazySession:
                 raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            held: list[str] = ["--private-store"] if self.private_store else []
+            source_args: list[str] = ["--private-store"] if self.private_store else []
             fds = [listener.fileno(), theirs.fileno()]
             if self.hold is not None:
-                held += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
+                source_args += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
                 fds.append(self.hold.lease_fd)
             try:
                 self._source = await asyncio.create_subprocess_exec(
@@ -142,7 +142,7 @@ class LazySession:
                     "--images", self.images, "--peer-pid", str(self._daemon.pid),
                     "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
                     "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
-                    "--start-timeout", str(self.settings.timeouts.lazy_start), *held,
+                    "--start-timeout", str(self.settings.timeouts.lazy_start), *source_args,
                     pass_fds=fds, start_new_session=True,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errlog,
                 )

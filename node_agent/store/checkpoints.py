@@ -523,13 +523,6 @@ class Store:
             os.unlink(self._origin_path(record.id))
         return True
 
-    def fetch_chunk(self, checkpoint_id: str, chunk: Chunk) -> None:
-        """Bring a missing chunk of a lazily pulled checkpoint in from its origin (verified on arrival)."""
-        fetch = self.fetch_for(checkpoint_id)
-        if fetch is None:
-            raise DataLoss(f"blob {chunk.digest} is missing")
-        fetch(chunk)
-
     def fetch_for(
         self, checkpoint_id: str, origin: Mapping[str, Any] | None = None
     ) -> Callable[[Chunk], None] | None:
