@@ -52,7 +52,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     say("a private containerd node (scripts/testbed) with the restore handler")
-    bed = bring_up(BED, work)
+    bed = bring_up(BED, work, images="busybox,memhog")
     print(f"containerd: {bed.info['containerd_socket']}  runc root: {bed.runc_root}  pods on {bed.info['subnet']}")
     bed.start_agent()
     print(f"node-agent serve --config {bed.config}   (log: {bed.agent_log})")
