@@ -337,7 +337,7 @@ def group_id(group: str) -> int | None:
     """The gid of `group` (a name or a number); None when empty."""
     if not group:
         return None
-    if group.isdigit():
+    if group.isascii() and group.isdigit():
         return int(group)
     try:
         return grp.getgrnam(group).gr_gid

@@ -68,7 +68,7 @@ def parse_aer(text: str | None) -> int | None:
     total, summed = None, 0
     for line in text.splitlines()[:128]:
         parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
+        if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
             continue
         if parts[0].startswith("TOTAL_ERR"):
             total = int(parts[1])
@@ -178,7 +178,7 @@ def numa_topology(root: str) -> tuple[NumaNode, ...]:
             cpulist = ""
         dist = []
         for part in (read_text(os.path.join(base, name, "distance"), 1024) or "").split()[:1024]:
-            if part.isdigit():
+            if part.isascii() and part.isdigit():
                 dist.append(int(part))
         nodes.append(NumaNode(id=int(m.group(1)), cpulist=cpulist, distances=tuple(dist)))
     return tuple(sorted(nodes, key=lambda n: n.id))

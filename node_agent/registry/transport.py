@@ -200,7 +200,7 @@ class Response:
     @property
     def content_length(self) -> int | None:
         value = self.header("Content-Length")
-        if value is None or not value.isdigit() or len(value) > 18:
+        if value is None or not (value.isascii() and value.isdigit()) or len(value) > 18:
             return None
         return int(value)
 
