@@ -4,17 +4,28 @@ containerd's runc shim runs this instead of runc for every call on
 containers of the restore handler. For a container that has a restore plan
 (written by the agent under the plans directory, keyed by container ID):
 
-* ``create`` applies the checkpoint's writable-layer diff to the new rootfs,
-  then runs ``runc restore --detach`` with the same global flags, bundle,
-  pid file and stdio, so the restored process keeps writing into the new CRI
-  log pipes;
+* ``create`` checks that no live process on this host holds a file lock
+  the restored processes held too (CRIU would wait for it forever), applies
+  the checkpoint's writable-layer diff to the new rootfs, then runs
+  ``runc restore --detach`` with the same global flags, bundle, pid file and
+  stdio, so the restored process keeps writing into the new CRI log pipes;
+  it then records what it did (`RESTORED`: the container, the checkpoint,
+  the plan's nonce and the restored init's PID), which the agent checks
+  after StartContainer;
 * ``start`` is a no-op once the restore succeeded;
 * ``delete`` passes through, then removes the plan.
 
-Every other call, and every container without a plan, goes straight to runc
-(exec, no extra work). Errors go to runc's JSON log, where the shim picks up
-the last one, never to stderr (that is the container's own stderr pipe).
-Standard library only, and imported lazily: containerd runs this a lot.
+A restored container carries the plan's nonce in its OCI annotations
+(`PLAN_ANNOTATION`, passed through by the handler's
+``container_annotations``). ``create`` of a container with that mark but
+without its plan here (a handler serving another store, a plan removed) is
+refused: a restore never starts the image's command from the beginning.
+
+Every other call, and every container without a plan or a mark, goes
+straight to runc (exec, no extra work). Errors go to runc's JSON log, where
+the shim picks up the last one, never to stderr (that is the container's
+own stderr pipe). Standard library only, and imported lazily: containerd
+runs this a lot.
 """
 
 from __future__ import annotations
@@ -22,9 +33,17 @@ from __future__ import annotations
 import os
 import sys
 
+TYPE_CHECKING = False  # no `typing` import at run time: containerd runs this a lot
+if TYPE_CHECKING:
+    from typing import Any
+
 PLAN_FILE = "plan.json"
 RESTORED = "restored"
 FAILED = "failed"
+LOCKS_FILE = "locks.json"
+# The OCI annotation a restored container carries: its plan's nonce.
+PLAN_ANNOTATION = "node-agent.io/restore-plan"
+_MAX_SPEC = 64 << 20
 
 # runc global flags that take a value.
 _VALUE_FLAGS = {"--root", "--log", "--log-format", "--criu", "--rootless"}
@@ -114,20 +133,85 @@ def log_error(call: Call, msg: str) -> None:
         pass
 
 
+def _bundle(call: Call) -> str:
+    return call.option("--bundle", "-b") or os.getcwd()
+
+
+def _spec(bundle: str) -> dict[str, Any]:
+    import json
+
+    with open(os.path.join(bundle, "config.json"), "rb") as fh:
+        data = fh.read(_MAX_SPEC + 1)
+    if len(data) > _MAX_SPEC:
+        raise ValueError(f"{bundle}/config.json is larger than {_MAX_SPEC} bytes")
+    spec = json.loads(data)
+    if not isinstance(spec, dict):
+        raise ValueError(f"{bundle}/config.json is not a JSON object")
+    return spec
+
+
+def marked(bundle: str) -> str | None:
+    """The plan nonce a container's OCI spec carries (None: not a restored container)."""
+    path = os.path.join(bundle, "config.json")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(_MAX_SPEC + 1)
+    except OSError:
+        return None
+    if PLAN_ANNOTATION.encode() not in data:
+        return None  # the common case, without parsing the spec
+    try:
+        spec = _spec(bundle)
+    except (OSError, ValueError):
+        return ""
+    ann = spec.get("annotations")
+    value = ann.get(PLAN_ANNOTATION) if isinstance(ann, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def refuse_unplanned(call: Call, plans_dir: str, nonce: str) -> int:
+    """`create` of a marked container whose plan is not here: refused, nothing started."""
+    msg = (f"container {call.container_id} is a restored container (annotation {PLAN_ANNOTATION}={nonce[:16]}) "
+           f"but this runtime (plans directory {plans_dir}) has no restore plan for it; refusing to start it "
+           "from its image. The handler's wrapper must serve the agent's store: run `node-agent containerd-config` "
+           "with the agent's own settings, then restart containerd, and restore again")
+    log_error(call, msg)
+    return 1
+
+
 def restore(runc: str, call: Call, plan_dir: str) -> int:
     import json
     import subprocess
 
-    from criu_bridge import logs, rootfs
+    from criu_bridge import locks, logs, rootfs
     from criu_bridge.errors import BridgeError
 
     with open(os.path.join(plan_dir, PLAN_FILE), encoding="utf-8") as fh:
         plan = json.load(fh)
     where = f"pod {plan.get('pod', '?')}, container {plan.get('container', '?')}"
-    bundle = call.option("--bundle", "-b") or os.getcwd()
+    bundle = _bundle(call)
+    nonce = str(plan.get("nonce") or "")
+    mark = marked(bundle)
+    if mark is not None and nonce and mark != nonce:
+        msg = (f"restore of {where}, phase plan: the container's annotation {PLAN_ANNOTATION} names another "
+               f"restore plan than {os.path.join(plan_dir, PLAN_FILE)}; refusing to restore it")
+        log_error(call, msg)
+        _mark(plan_dir, FAILED, msg)
+        return 1
     try:
-        with open(os.path.join(bundle, "config.json"), encoding="utf-8") as fh:
-            spec = json.load(fh)
+        held = []
+        if os.path.exists(os.path.join(plan_dir, LOCKS_FILE)):
+            with open(os.path.join(plan_dir, LOCKS_FILE), encoding="utf-8") as fh:
+                held = locks.conflicts(locks.check_entries(json.loads(fh.read(4 << 20))))
+    except (OSError, ValueError) as exc:
+        held = [f"unreadable {LOCKS_FILE}: {exc}"]
+    if held:
+        msg = f"restore of {where}, phase file-locks: " + "; ".join(held)
+        log_error(call, msg)
+        _mark(plan_dir, FAILED, msg)
+        return 1
+    try:
+        spec = _spec(bundle)
         root = spec.get("root", {}).get("path", "rootfs")
         root = root if os.path.isabs(root) else os.path.join(bundle, root)
         diff = os.path.join(plan_dir, "rootfs-diff.tar")
@@ -178,6 +262,10 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     for opt in plan.get("options", []):
         if opt in PLAN_FLAGS:
             argv.append(PLAN_FLAGS[opt])
+    pid_file = call.option("--pid-file")
+    if not pid_file:
+        pid_file = os.path.join(work, "init.pid")
+        argv += ["--pid-file", pid_file]
     argv.append(call.container_id)
     rc = subprocess.run(argv, close_fds=True).returncode
     if rc != 0:
@@ -187,7 +275,13 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         log_error(call, msg)
         _mark(plan_dir, FAILED, msg)
         return rc or 1
-    _mark(plan_dir, RESTORED, "")
+    try:
+        with open(pid_file if os.path.isabs(pid_file) else os.path.join(bundle, pid_file), encoding="ascii") as fh:
+            pid = int(fh.read(32).strip())
+    except (OSError, ValueError):
+        pid = 0
+    _mark(plan_dir, RESTORED, json.dumps({"container_id": call.container_id, "checkpoint": plan.get("checkpoint", ""),
+                                          "nonce": nonce, "pid": pid}))
     if lazy:
         return 0  # the images are the daemon's until every page is in
     # The images served their purpose; keep only the logs.
@@ -225,6 +319,10 @@ def main(runc: str, plans_dir: str, argv: list[str] | None = None) -> int:
     cid = call.container_id
     plan_dir = os.path.join(plans_dir, cid) if _valid_id(cid) else ""
     has_plan = bool(plan_dir) and os.path.exists(os.path.join(plan_dir, PLAN_FILE))
+    if not has_plan and call.command == "create":
+        nonce = marked(_bundle(call))
+        if nonce is not None:
+            return refuse_unplanned(call, plans_dir, nonce)
     if not has_plan or call.command not in ("create", "start", "delete"):
         os.execv(runc, [runc, *args])
     if call.command == "create":
@@ -248,6 +346,30 @@ import sys
 from criu_bridge.wrapper import main
 sys.exit(main({runc!r}, {plans!r}))
 """
+
+
+def launcher_settings(path: str) -> tuple[str, str] | None:
+    """(runc, plans directory) of a launcher written by `install`; None if `path` is not one."""
+    import ast
+    import re
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(8192)
+    except OSError:
+        return None
+    if "from criu_bridge.wrapper import main" not in text:
+        return None
+    m = re.search(r"^sys\.exit\(main\((.*)\)\)\s*$", text, re.M)
+    if not m:
+        return None
+    try:
+        args = ast.literal_eval("(" + m.group(1) + ",)")
+    except (ValueError, SyntaxError):
+        return None
+    if len(args) != 2 or not all(isinstance(a, str) for a in args):
+        return None
+    return args[0], args[1]
 
 
 def install(path: str, *, python: str, runc: str, plans_dir: str) -> bool:

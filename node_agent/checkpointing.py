@@ -79,14 +79,24 @@ AGENT_OPTIONS = ("pre-dump",)
 SUPPORTED_OPTIONS = tuple(sorted((*CHECKPOINT_OPTIONS, *AGENT_OPTIONS)))
 
 
+# What a new checkpoint does unless its options say otherwise. File locks are
+# on, as LXC has them: databases, lock files and pid files are everywhere,
+# and CRIU refuses to dump a process that holds a lock without them.
+CHECKPOINT_DEFAULTS = {"file_locks": True}
+
+
 def parse_options(options: Mapping[str, str]) -> CheckpointFlags:
-    """Checkpoint options to runc flags; anything undocumented is refused."""
-    return parse_all_options(options)[0]
+    """The options a checkpoint was made with, as runc flags (absent: off); anything undocumented is refused."""
+    return parse_all_options(options, defaults=False)[0]
 
 
-def parse_all_options(options: Mapping[str, str]) -> tuple[CheckpointFlags, bool | None]:
-    """(runc flags, pre-dump wish: True/False, or None for the node's default)."""
-    values: dict[str, bool] = {}
+def parse_all_options(options: Mapping[str, str], *, defaults: bool = True) -> tuple[CheckpointFlags, bool | None]:
+    """(runc flags, pre-dump wish: True/False, or None for the node's default) of a checkpoint to make.
+
+    `defaults`: options not given take `CHECKPOINT_DEFAULTS` (a new
+    checkpoint); without, they are off (options recorded with a dump).
+    """
+    values: dict[str, bool] = dict(CHECKPOINT_DEFAULTS) if defaults else {}
     pre_dump: bool | None = None
     for key, raw in options.items():
         if key not in SUPPORTED_OPTIONS:
@@ -392,6 +402,7 @@ class Checkpointer:
             await asyncio.gather(*(asyncio.to_thread(freezer.freeze, t.freezer) for t in targets))
             phase[0] = "dump"
             progress(Progress("dump", 0, total))
+            log.debug("pod %s: %d container(s) frozen, dumping", pod.ref, total, extra={"pod": pod.ref, "phase": "dump"})
 
             async def dump(t: _Target) -> None:
                 async def started(pid: int) -> None:
@@ -463,14 +474,18 @@ class Checkpointer:
     async def _thaw(
         self, targets: list[_Target], guard: wd.Armed, helpers: list[asyncio.subprocess.Process], ok: bool
     ) -> None:
-        def thaw_all() -> None:
-            for t in targets:
-                try:
-                    freezer.thaw(t.freezer)
-                except OSError as exc:
-                    log.warning("cannot thaw container %s: %s", t.name, exc.strerror)
+        def thaw(t: _Target) -> None:
+            try:
+                freezer.thaw(t.freezer)
+            except OSError as exc:
+                log.warning("cannot thaw container %s: %s", t.name, exc.strerror)
 
-        await asyncio.to_thread(thaw_all)
+        async def thaw_all() -> None:
+            # All at once: a thaw can take tens of milliseconds, and every
+            # container of the pod waits for the last one.
+            await asyncio.gather(*(asyncio.to_thread(thaw, t) for t in targets))
+
+        await thaw_all()
         if ok:
             guard.stand_down()
         else:
@@ -479,7 +494,7 @@ class Checkpointer:
             guard.release()
             for proc in helpers:
                 await reap(proc, grace=self.settings.timeouts.cleanup)
-            await asyncio.to_thread(thaw_all)
+            await thaw_all()
         await asyncio.to_thread(guard.wait, 5.0)
 
     async def _capture_shm(self, src: str, dest_dir: str) -> None:

@@ -145,6 +145,10 @@ class Settings:
     # from foreign (e.g. Podman) archives.
     pod_log_root: str = "/var/log/pods"
     cgroup_parent: str = ""
+    # The kubelet's root directory: a pod's own volumes live under
+    # <kubelet-root>/pods/<pod uid>/, and only those host paths may a
+    # checkpoint's containers mount without allow-host-access.
+    kubelet_root: str = "/var/lib/kubelet"
     # Pre-dump memory while the pod runs where the kernel tracks dirty
     # memory: "auto" (default: where supported), "always" or "never".
     pre_dump: str = "auto"
@@ -175,6 +179,9 @@ class Settings:
     devices: Devices = field(default_factory=Devices)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
+    # The YAML file these settings were read from ("" if none): not a key of
+    # its own, it only lets messages name the file to pass again.
+    config_file: str = ""
 
     # Paths derived from the store; one place so the wrapper agrees.
     @property
@@ -221,9 +228,10 @@ _PARSED: dict[str, tuple[str, Any]] = {
     "metrics-listen": ("metrics_listen", _listen_value),
     "devices": ("devices", parse_devices),
 }
+_NOT_KEYS = {"config_file"}
 _TOP_KEYS = {
     f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)
-    if f.name not in _SECTIONS and f.name.replace("_", "-") not in _PARSED
+    if f.name not in _SECTIONS and f.name.replace("_", "-") not in _PARSED and f.name not in _NOT_KEYS
 }
 _LOG_FORMATS = ("text", "json")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -283,7 +291,7 @@ def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Setti
 
 
 def validate(s: Settings) -> Settings:
-    for name in ("socket", "store", "runc_root", "sysfs_root"):
+    for name in ("socket", "store", "runc_root", "sysfs_root", "kubelet_root", "pod_log_root"):
         if not os.path.isabs(getattr(s, name)):
             raise InvalidArgument(f"{name.replace('_', '-')} must be an absolute path, got {getattr(s, name)!r}")
     if not s.cri_endpoint.startswith(("unix://", "unix:")) and ":" not in s.cri_endpoint:
@@ -311,7 +319,7 @@ def host_port(value: str, *, default_host: str = "", what: str = "listen") -> tu
     if not sep:
         host, port = "", value
     host = host.strip("[]") or default_host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise InvalidArgument(f"{what} must be HOST:PORT, got {value!r}")
     return host, int(port)
 
@@ -348,7 +356,7 @@ def load(path: str | None, overrides: Mapping[str, Any] | None = None) -> Settin
             raise InvalidArgument(f"cannot read config file {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
             raise InvalidArgument(f"config file {path} is not valid YAML: {exc}") from exc
-        settings = from_mapping(data or {}, settings)
+        settings = dataclasses.replace(from_mapping(data or {}, settings), config_file=os.path.abspath(path))
     if overrides:
         changes = {k: v for k, v in overrides.items() if v is not None}
         unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}

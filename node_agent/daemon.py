@@ -1,4 +1,14 @@
-"""`node-agent serve`: wiring, start-up recovery, serving, staged shutdown."""
+"""`node-agent serve`: wiring, start-up recovery, serving, bounded shutdown.
+
+On SIGTERM every listener stops taking calls at once; calls in flight get
+`timeouts.cleanup` seconds, then are cancelled (thawing and removing what
+they made); lazy restores let go of their helpers (`Restorer.shutdown`);
+then what is left of the cleanup gets what remains of a fixed budget
+(`timeouts.cleanup` + `_SHUTDOWN_MARGIN` in all). A worker thread still
+blocked then (a registry that stopped answering) is abandoned: the process
+exits anyway, and a pod can never stay frozen by it, since the freeze
+watchdog thaws every pod whose agent is gone.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +19,16 @@ import os
 import shutil
 import signal
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
-from node_agent import errors
+from node_agent import errors, handler
 from node_agent import sdnotify
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
@@ -33,6 +46,11 @@ if TYPE_CHECKING:
     from node_agent.devices.monitor import DeviceMonitor
 
 log = logging.getLogger(__name__)
+
+# What the shutdown may take beyond `timeouts.cleanup`; the exit comes
+# within it (the process needs a moment to end after the budget is spent).
+_SHUTDOWN_MARGIN = 3.0
+_WORKER_PREFIX = "agent-worker"
 
 
 def retention_policy(s: Settings) -> Any:
@@ -100,7 +118,7 @@ async def start_devices(s: Settings, metrics: Metrics) -> DeviceMonitor | None:
     return monitor
 
 
-async def serve(s: Settings) -> None:
+async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     prepare_dirs(s)
     if not s.wrapper_python:  # else install-handler wrote it for the host
         install_wrapper(s)
@@ -142,26 +160,142 @@ async def serve(s: Settings) -> None:
             cri_listener = CriListener(s.cri_listen, checkpointer, restorer, store)
             await cri_listener.start()
         log.info("serving on unix://%s (CRI %s)", s.socket, s.cri_endpoint)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+        await check_handler_at_start(s, cri)
         sdnotify.ready(f"serving on unix://{s.socket}")
         gc_task = (
             asyncio.create_task(periodic_gc(s, gc), name="periodic-gc") if s.retention.gc_interval > 0 else None
         )
         await stop.wait()
-        log.info("shutting down")
+        deadline = time.monotonic() + s.timeouts.cleanup + _SHUTDOWN_MARGIN
+        log.info("shutting down: calls in flight get %gs", s.timeouts.cleanup)
         sdnotify.stopping("stopping: letting operations in flight finish")
         if gc_task is not None:
             gc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gc_task
-        # Let operations in flight finish their cleanup (thaw, remove).
+        # Every listener stops at once: calls in flight get the grace period,
+        # then are cancelled, which thaws and removes what they made.
+        stops = [listeners.stop(server, grace=s.timeouts.cleanup)]
         if cri_listener is not None:
-            await cri_listener.stop(grace=s.timeouts.cleanup)
-        await listeners.stop(server, grace=s.timeouts.cleanup)
+            stops.append(cri_listener.stop(grace=s.timeouts.cleanup))
         if devices is not None:
-            await devices.stop()
+            stops.append(devices.stop())
+        await asyncio.gather(*stops, return_exceptions=True)
+        await restorer.shutdown()
+        await _settle_tasks(deadline)
     finally:
         await cri.close()
+
+
+async def _settle_tasks(deadline: float) -> None:
+    """Wait until `deadline` for the tasks still running (cleanup of cancelled calls); cancel the rest."""
+    me = asyncio.current_task()
+    pending = {t for t in asyncio.all_tasks() if t is not me and not t.done()}
+    if not pending:
+        return
+    done, left = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+    for t in left:
+        coro = t.get_coro()
+        log.warning("shutdown: %s (%s) did not finish in time; cancelled", t.get_name(),
+                    getattr(coro, "__qualname__", coro))
+        t.cancel()
+    if left:
+        await asyncio.wait(left, timeout=1.0)
+
+
+def check_handler_at_start(s: Settings, cri: CriClient) -> Any:
+    """Warn at start when the restore handler does not serve this agent (restores would be refused)."""
+
+    async def check() -> None:
+        try:
+            problems = (await handler.inspect(cri, s.runtime_handler)).problems(s)
+        except errors.AgentError as exc:
+            log.warning("cannot check the restore handler %r yet: %s", s.runtime_handler, exc,
+                        extra={"phase": "handler"})
+            return
+        if problems:
+            log.warning("restores will be refused: %s; fix: %s", "; ".join(problems), handler.fix_command(s),
+                        extra={"phase": "handler"})
+        else:
+            log.info("restore handler %r serves this agent's plans (%s)", s.runtime_handler, s.plans_dir,
+                     extra={"phase": "handler"})
+
+    return check()
+
+
+def run(s: Settings) -> int:
+    """Serve until SIGTERM or SIGINT; the process's exit status.
+
+    Worker threads get a pool of our own, so that the exit need not wait for
+    one that is blocked: past the shutdown's budget, it is abandoned (logged)
+    and the process ends all the same.
+    """
+    loop = asyncio.new_event_loop()
+    pool = ThreadPoolExecutor(thread_name_prefix=_WORKER_PREFIX)
+    loop.set_default_executor(pool)
+    started = [0.0]
+    try:
+        loop.run_until_complete(_serve_timed(s, started))
+    finally:
+        try:
+            _cancel_rest(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            end = (started[0] or time.monotonic()) + s.timeouts.cleanup + _SHUTDOWN_MARGIN
+            busy = [t for t in threading.enumerate() if t.name.startswith(_WORKER_PREFIX)]
+            for t in busy:
+                t.join(max(0.0, end - time.monotonic()))
+            for t in busy:
+                t.join(0.1)  # an idle worker ends as soon as it sees the shutdown
+            frames = sys._current_frames()
+            stuck = [f"{t.name} in {_where(frames.get(t.ident or 0))}" for t in busy if t.is_alive()]
+            loop.close()
+    if stuck:
+        log.warning("shutdown: abandoning %d worker thread(s) still blocked (%s); exiting", len(stuck),
+                    ", ".join(stuck))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+async def _serve_timed(s: Settings, started: list[float]) -> None:
+    stop_seen = asyncio.Event()
+
+    def mark() -> None:
+        if not started[0]:
+            started[0] = time.monotonic()
+        stop_seen.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, mark)
+    await serve(s, stop_seen)
+
+
+def _where(frame: Any) -> str:
+    """The innermost frame of ours a blocked thread is in, for the log."""
+    found = "?"
+    while frame is not None:
+        code = frame.f_code
+        if "node_agent" in code.co_filename or "criu_bridge" in code.co_filename:
+            return f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+        if found == "?":
+            found = f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+        frame = frame.f_back
+    return found
+
+
+def _cancel_rest(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))

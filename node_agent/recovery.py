@@ -2,8 +2,9 @@
 
 For each journal entry: a checkpoint is thawed, its runc/CRIU helpers are
 waited out (then killed) and its scratch files removed; a restore has its
-sandboxes and plans removed. Then stray scratch dirs and plans whose
-container is gone are cleared. Nothing here is published, so nothing here
+sandboxes and plans removed. Then lazy-restore helpers that serve no
+transfer in flight are ended (`lazy.strays`), and stray scratch dirs and
+plans whose container is gone are cleared. Nothing here is published, so nothing here
 can leave a half-written checkpoint listed.
 """
 
@@ -23,6 +24,7 @@ from node_agent import errors
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
+from node_agent.lazy import strays
 from node_agent.restoring import undo_restore
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,37 @@ async def recover(settings: Settings, journal: Journal, cri: CriClient) -> int:
     if os.path.isdir(settings.work_dir):
         for name in os.listdir(settings.work_dir):
             shutil.rmtree(os.path.join(settings.work_dir, name), ignore_errors=True)
+    await end_stray_helpers(settings, cri)
     await gc_plans(settings, cri)
     return len(entries)
+
+
+async def end_stray_helpers(settings: Settings, cri: CriClient) -> None:
+    """End this agent's lazy-restore helpers unless their container runs the process restored from its plan."""
+    found = await asyncio.to_thread(strays.helpers, settings.plans_dir)
+    if not found:
+        return
+    try:
+        containers = {c.id: c for c in await cri.list_containers()}
+    except errors.AgentError as exc:
+        log.warning("cannot list containers to check %d lazy-restore helper(s); they end by themselves after "
+                    "timeouts.lazy-start: %s", len(found), exc)
+        return
+    reasons: dict[str, str] = {}
+    for cid in {h.container_id for h in found}:
+        c = containers.get(cid)
+        if c is None:
+            reasons[cid] = "its container is gone"
+        elif c.state == "CONTAINER_CREATED":
+            reasons[cid] = ("the agent stopped before the container was started, so its page source is gone; "
+                            "restore the checkpoint again")
+        elif not c.running or not os.path.exists(os.path.join(settings.plans_dir, cid, "restored")):
+            reasons[cid] = f"its container is {c.state.removeprefix('CONTAINER_').lower()}"
+    ended = await asyncio.to_thread(strays.end, found, reasons, settings.plans_dir)
+    kept = len({h.container_id for h in found}) - len(reasons)
+    if ended or kept:
+        log.info("lazy-restore helpers of a previous agent: %d ended, %d container(s) still paging in",
+                 len(ended), kept, extra={"phase": "recovery"})
 
 
 async def gc_plans(settings: Settings, cri: CriClient) -> None:

@@ -21,14 +21,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from criu_bridge import rootfs
+from criu_bridge import locks, rootfs
 from criu_bridge.errors import BridgeError, RuntimeFailure
 from criu_bridge.rpc import CriuClient
-from criu_bridge.wrapper import PLAN_FILE
-from node_agent import errors
+from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
+from node_agent import errors, handler, hostaccess
 from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_progress, shm_source
 from node_agent.config import Settings
 from node_agent.cri import CriClient
+from node_agent.cri.client import normalized
+from node_agent.interop import criuimg
+from node_agent.interop.importing import INTEROP_DIR
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
 from node_agent.lazy.session import LazySession
@@ -40,15 +43,35 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
-# allow-host-access: let a checkpoint bring back privileged containers or
-# host namespaces (refused by default: a checkpoint is hostile input).
+# allow-host-access: let a checkpoint's configs reach into the host (host
+# mounts, devices, privileged mode, host namespaces, added capabilities;
+# `hostaccess`), refused by default: a checkpoint is hostile input.
 # lazy: start the containers before their memory is read (default: the
 # lazy-restore setting, where CRIU and the kernel support it).
+# Both take `true` or `false`, nothing else.
 RESTORE_OPTIONS = {"allow-host-access", "lazy"}
-_TRUE = ("true", "1", "yes")
 _PAGEMAP_RE = re.compile(r"^containers/([^/]+)/checkpoint/pagemap-([0-9]{1,10})\.img$")
-_NODE_NAMESPACE = 2  # CRI NamespaceMode NODE
 RESTORED_FROM = "node-agent.io/restored-from"
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    allow_host_access: bool = False
+    lazy: bool | None = None  # None: the node's default
+
+
+def parse_restore_options(options: Mapping[str, str]) -> RestoreOptions:
+    """A restore's options, strictly: known keys, values `true` or `false`."""
+    values: dict[str, bool] = {}
+    for key, value in options.items():
+        if key not in RESTORE_OPTIONS:
+            raise errors.InvalidArgument(
+                f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
+            )
+        if value not in ("true", "false"):
+            raise errors.InvalidArgument(f"restore option {key!r}: expected true or false, got {value!r}")
+        values[key.replace("-", "_")] = value == "true"
+    return RestoreOptions(**values)
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,7 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
     pod_doc = _read_json(store, record, "pod/config.json")
     if not isinstance(pod_doc, Mapping) or not isinstance(pod_doc.get("config"), Mapping):
         raise errors.DataLoss(f"checkpoint {record.id}: pod/config.json has no config")
+    pod_cfg = _schema(record.id, "pod/config.json", pod_doc["config"], "pod")
     containers = []
     entries = meta.get("containers")
     if not isinstance(entries, list) or not entries:
@@ -134,56 +158,96 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
         spec = _read_json(store, record, f"{base}/spec.dump", limit=64 << 20)
         if not isinstance(cfg, Mapping) or not isinstance(cfg.get("config"), Mapping) or not isinstance(spec, Mapping):
             raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has a malformed config.dump or spec.dump")
+        cfg = {**cfg, "config": _schema(record.id, f"{base}/config.dump", cfg["config"], "container")}
         containers.append((cname, cfg, spec))
     if len({c[0] for c in containers}) != len(containers):
         raise errors.DataLoss(f"checkpoint {record.id}: container names repeat")
     opts = meta.get("options") or {}
     if not isinstance(opts, Mapping):
         raise errors.DataLoss(f"checkpoint {record.id}: malformed options")
-    return _Saved(ns, name, pod_doc["config"], tuple(containers), tuple(sorted(k for k, v in opts.items() if v == "true")))
+    return _Saved(ns, name, pod_cfg, tuple(containers), tuple(sorted(k for k, v in opts.items() if v == "true")))
 
 
-def host_access_refusal(checkpoint_id: str, saved: _Saved) -> None:
-    """Refuse configs that reach into the host, unless the caller allowed it."""
-    found: list[str] = []
-
-    def namespaces(where: str, sc: Any) -> None:
-        if not isinstance(sc, Mapping):
-            return
-        if sc.get("privileged"):
-            found.append(f"{where} is privileged")
-        opts = sc.get("namespace_options")
-        if isinstance(opts, Mapping):
-            for ns in ("network", "pid", "ipc"):
-                if opts.get(ns) == _NODE_NAMESPACE:
-                    found.append(f"{where} uses the host's {ns} namespace")
-
-    linux = saved.pod_config.get("linux")
-    if isinstance(linux, Mapping):
-        namespaces("the pod", linux.get("security_context"))
-    for cname, cfg, _ in saved.containers:
-        clinux = cfg["config"].get("linux")
-        if isinstance(clinux, Mapping):
-            namespaces(f"container {cname}", clinux.get("security_context"))
-    if found:
-        raise errors.FailedPrecondition(
-            f"checkpoint {checkpoint_id}: {'; '.join(found)}; restore it only with --option allow-host-access=true"
-        )
+def _schema(checkpoint_id: str, path: str, config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """A saved config, checked against the CRI schema (unknown fields refused) and normalized."""
+    try:
+        return normalized(config, kind)
+    except errors.InvalidArgument as exc:
+        raise errors.DataLoss(f"checkpoint {checkpoint_id}: {path}: {exc}") from exc
 
 
-def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkpoint_id: str) -> dict[str, Any]:
+def check_host_access(checkpoint_id: str, saved: _Saved, s: Settings, *, allowed: bool) -> None:
+    """FAILED_PRECONDITION naming each way the checkpoint's configs reach into the host, unless allowed."""
+    found = hostaccess.findings(saved.pod_config, [(n, cfg["config"]) for n, cfg, _ in saved.containers],
+                                kubelet_root=s.kubelet_root, agent_files=os.path.join(s.store, INTEROP_DIR))
+    hostaccess.refuse(f"checkpoint {checkpoint_id}", found, allowed=allowed)
+
+
+def target_pod_config(saved: _Saved, namespace: str, name: str, uid: str, checkpoint_id: str,
+                      log_root: str) -> dict[str, Any]:
+    """The new sandbox's config: the checkpoint's, under the new identity, with none of its annotations.
+
+    The log directory is the new pod's own under `log_root` (the
+    checkpoint's path is not trusted for where the node writes).
+    """
     cfg: dict[str, Any] = json.loads(json.dumps(saved.pod_config))
     old_meta = cfg.get("metadata") or {}
     cfg["metadata"] = {"name": name, "namespace": namespace, "uid": uid, "attempt": 0}
-    old_logdir = str(cfg.get("log_directory") or "")
-    if old_logdir:
-        cfg["log_directory"] = os.path.join(os.path.dirname(old_logdir.rstrip("/")), f"{namespace}_{name}_{uid}")
+    if cfg.get("log_directory"):
+        cfg["log_directory"] = os.path.join(log_root, f"{namespace}_{name}_{uid}")
     if cfg.get("hostname") in (old_meta.get("name"), None, ""):
         cfg["hostname"] = name[:63]
-    ann = dict(cfg.get("annotations") or {})
-    ann[RESTORED_FROM] = checkpoint_id
-    cfg["annotations"] = ann
+    cfg["annotations"] = {RESTORED_FROM: checkpoint_id}
     return cfg
+
+
+def target_container_config(saved_config: Mapping[str, Any], cname: str, *, allow_host_access: bool) -> dict[str, Any]:
+    """A new container's config from its checkpointed one: no annotation of the checkpoint survives.
+
+    With host access allowed, CDI devices that the checkpoint asked for
+    through annotations are carried over as explicit `CDI_devices`.
+    """
+    ccfg: dict[str, Any] = json.loads(json.dumps(saved_config))
+    ccfg["metadata"] = {"name": cname, "attempt": 0}
+    if allow_host_access:
+        devices = hostaccess.cdi_devices_of(ccfg)
+        if devices:
+            ccfg["CDI_devices"] = [{"name": d} for d in dict.fromkeys(devices)]
+    ccfg["annotations"] = {}
+    return ccfg
+
+
+def with_plan_mark(config: Mapping[str, Any], nonce: str) -> dict[str, Any]:
+    """A container config marked as restored from the plan with this nonce (`criu_bridge.wrapper`)."""
+    cfg = dict(config)
+    cfg["annotations"] = {**(config.get("annotations") or {}), PLAN_ANNOTATION: nonce}
+    return cfg
+
+
+def plan_locks(images: str, mounts: Any) -> list[dict[str, Any]]:
+    """The file locks in a plan's CRIU images, each with the host path of its file where a mount provides it.
+
+    Files in the container's own rootfs (its new writable layer) have no
+    host path: only a lock on a mounted host path can meet a live holder.
+    """
+    binds = sorted(
+        ((str(m.get("container_path", "")).rstrip("/") or "/", str(m.get("host_path", "")))
+         for m in (mounts if isinstance(mounts, list) else []) if isinstance(m, Mapping) and m.get("host_path")),
+        key=lambda b: len(b[0]), reverse=True,
+    )
+    out = []
+    for lk in criuimg.file_locks(images):
+        path = str(lk["path"])
+        host = ""
+        for dest, src in binds:
+            if path == dest or path.startswith(dest.rstrip("/") + "/"):
+                rest = path[len(dest):].lstrip("/")
+                if ".." not in rest.split("/"):
+                    host = os.path.join(src, rest) if rest else src
+                break
+        out.append({"path": path, "host": host, "kind": lk["kind"], "write": lk["write"],
+                    "start": lk["start"], "len": lk["len"]})
+    return out
 
 
 def with_restored_from(pod_config: Mapping[str, Any], checkpoint_id: str) -> dict[str, Any]:
@@ -209,18 +273,14 @@ class Restorer:
         # Lazy sessions started by each restore in flight (by journal op), for its undo.
         self._op_sessions: dict[str, list[LazySession]] = {}
         self._lazy_tasks: set[asyncio.Task[None]] = set()
+        # Every lazy session whose helpers still run.
+        self._sessions: set[LazySession] = set()
 
     @instrumented("restore")
     async def restore(
         self, req: RestoreRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
     ) -> RestoredPod:
-        for key, value in req.options.items():
-            if key not in RESTORE_OPTIONS:
-                raise errors.InvalidArgument(
-                    f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
-                )
-            if str(value).lower() not in ("", "true", "false", "1", "0", "yes", "no"):
-                raise errors.InvalidArgument(f"restore option {key!r}: expected true or false, got {value!r}")
+        parse_restore_options(req.options)  # refused before anything is touched
         timeout = timeout if timeout is not None else self.settings.timeouts.restore
         phase = ["verify"]
         entry = Entry("restore", data={"sandboxes": [], "plans": []})
@@ -266,35 +326,37 @@ class Restorer:
             name = _check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
             uid = str(uuid.uuid4())
         where = f"{namespace}/{name}"
-        handler = req.runtime_handler or self.settings.runtime_handler
+        handler_name = req.runtime_handler or self.settings.runtime_handler
         if where in self._targets:
             raise errors.Aborted(f"restore as pod {where}: another restore into that pod is in progress")
         self._targets.add(where)
         try:
             if any(p.namespace == namespace and p.name == name and p.ready for p in await self.cri.list_pods()):
                 raise errors.AlreadyExists(f"restore as pod {where}: a pod of that name is already running")
-            return await self._restore_into(req, record, saved, namespace, name, uid, where, handler,
+            return await self._restore_into(req, record, saved, namespace, name, uid, where, handler_name,
                                             entry, phase, progress)
         finally:
             self._targets.discard(where)
 
     async def _restore_into(
         self, req: RestoreRequest, record: CheckpointRecord, saved: _Saved, namespace: str, name: str, uid: str,
-        where: str, handler: str, entry: Entry, phase: list[str], progress: ProgressFn,
+        where: str, handler_name: str, entry: Entry, phase: list[str], progress: ProgressFn,
     ) -> RestoredPod:
-
-        if str(req.options.get("allow-host-access", "false")).lower() not in ("true", "1", "yes", ""):
-            host_access_refusal(record.id, saved)
+        opts = parse_restore_options(req.options)
+        check_host_access(record.id, saved, self.settings, allowed=opts.allow_host_access)
         phase[0] = "preflight"
         progress(Progress("preflight", message=where))
         await self.preflight(record, saved, req.source)
+        # The handler must be this agent's wrapper, or the containers would
+        # start fresh from their images: refused before anything is made.
+        await handler.require(self.cri, self.settings, handler_name, f"restore as pod {where}")
 
         phase[0] = "sandbox"
         entry.data.update({"checkpoint": record.id, "pod": where})
         self.journal.write(entry)
         pod_config = (
-            target_pod_config(saved, namespace, name, uid, record.id) if req.pod_config is None
-            else with_restored_from(req.pod_config, record.id)
+            target_pod_config(saved, namespace, name, uid, record.id, self.settings.pod_log_root)
+            if req.pod_config is None else with_restored_from(req.pod_config, record.id)
         )
         lazy = await self.lazy_mode(req, record)
         progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
@@ -306,7 +368,7 @@ class Restorer:
                 asyncio.to_thread(self.unpack, record, staging, req.source, lazy), name=f"unpack {record.id[:19]}"
             )
             try:
-                pod_id = await self.cri.run_pod(pod_config, handler)
+                pod_id = await self.cri.run_pod(pod_config, handler_name)
             except BaseException:
                 await _settle(unpack)
                 raise
@@ -317,7 +379,7 @@ class Restorer:
             await unpack
             await self.restore_shm(staging, pod_id, where)
             return await self._containers(req, record, saved, staging, pod_id, pod_config, where,
-                                          namespace, name, uid, entry, phase, progress, lazy)
+                                          namespace, name, uid, entry, phase, progress, lazy, handler_name, opts)
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
@@ -348,9 +410,9 @@ class Restorer:
 
     async def lazy_mode(self, req: RestoreRequest, record: CheckpointRecord) -> bool:
         """Whether this restore goes lazily: asked for (or the default), possible here, and for this checkpoint."""
-        asked = str(req.options.get("lazy", "")).lower()
-        if asked:
-            if asked not in _TRUE:
+        asked = parse_restore_options(req.options).lazy
+        if asked is not None:
+            if not asked:
                 return False
         elif self.settings.lazy_restore != "auto":
             return False
@@ -367,22 +429,22 @@ class Restorer:
     async def _containers(
         self, req: RestoreRequest, record: CheckpointRecord, saved: _Saved, staging: str, pod_id: str,
         pod_config: dict[str, Any], where: str, namespace: str, name: str, uid: str, entry: Entry,
-        phase: list[str], progress: ProgressFn, lazy: bool = False,
+        phase: list[str], progress: ProgressFn, lazy: bool, handler_name: str, opts: RestoreOptions,
     ) -> RestoredPod:
-        created: list[tuple[str, str]] = []
+        created: list[tuple[str, str, str]] = []  # name, container ID, plan nonce
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
             phase[0] = f"create {cname}"
             if req.container_configs is not None:
                 ccfg = dict(req.container_configs[cname])
             else:
-                ccfg = dict(cfg["config"])
-                ccfg["metadata"] = {"name": cname, "attempt": 0}
-            cid = await self.cri.create_container(pod_id, ccfg, pod_config)
+                ccfg = target_container_config(cfg["config"], cname, allow_host_access=opts.allow_host_access)
+            nonce = secrets.token_hex(16)
+            cid = await self.cri.create_container(pod_id, with_plan_mark(ccfg, nonce), pod_config)
             plan_dir = os.path.join(self.settings.plans_dir, cid)
             entry.data["plans"].append(plan_dir)
             self.journal.write(entry)
-            options = saved.options + tuple(sorted(k for k in req.options if k != "lazy"))
-            await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, options, lazy)
+            await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, saved.options, lazy,
+                                    nonce=nonce, mounts=ccfg.get("mounts"))
             if lazy:
                 store = req.source or self.store
                 origin, passwords = _remote_access(store, record.id)
@@ -395,28 +457,33 @@ class Restorer:
                 session = LazySession(self.settings, where, cname, cid, record.id, plan_dir,
                                       store.root if private is None else private.root,
                                       origin=origin, passwords=passwords, hold=hold,
-                                      private_store=private is not None)
+                                      private_store=private is not None, exists=self._exists(cid))
                 self._op_sessions.setdefault(entry.op_id, []).append(session)
                 await session.start()
                 self._track(session, store)
-            created.append((cname, cid))
+            created.append((cname, cid, nonce))
             progress(Progress("create", i + 1, len(saved.containers), message=cname))
 
         started = False
         if req.start:
-            for i, (cname, cid) in enumerate(created):
+            for i, (cname, cid, nonce) in enumerate(created):
                 phase[0] = f"start {cname}"
+                log.debug("restore of pod %s: starting container %s (%s)", where, cname, cid[:13],
+                          extra={"pod": where, "container": cname, "phase": "start"})
                 try:
                     await self.cri.start_container(cid)
                 except errors.AgentError as exc:
                     raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
+                await handler.verify_restored(self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid),
+                                              nonce, where=f"restore of pod {where}, container {cname}",
+                                              handler=handler_name)
                 progress(Progress("start", i + 1, len(created), message=cname))
             started = True
         log.info("checkpoint %s restored as pod %s (%s)", record.id, where, pod_id[:13],
                  extra={"pod": where, "checkpoint": record.id, "phase": "restored"})
         # Success: the journal entry goes, so recovery leaves the pod alone.
         entry.data = {}
-        return RestoredPod(pod_id, namespace, name, uid, record.id, tuple(created), started)
+        return RestoredPod(pod_id, namespace, name, uid, record.id, tuple((n, c) for n, c, _ in created), started)
 
     async def preflight(self, record: CheckpointRecord, saved: _Saved, source: Store | None = None) -> None:
         for cname, cfg, _ in saved.containers:
@@ -467,9 +534,39 @@ class Restorer:
         except BridgeError as exc:
             raise errors.DataLoss(f"restore as pod {where}: the checkpoint's /dev/shm is unusable: {exc}") from exc
 
+    def _exists(self, container_id: str) -> Any:
+        async def exists() -> bool | None:
+            try:
+                await self.cri.container_status(container_id)
+            except errors.NotFound:
+                return False
+            except errors.AgentError:
+                return None  # not known now; asked again later
+            return True
+
+        return exists
+
+    async def shutdown(self) -> None:
+        """The agent stops: end the helpers of containers not started yet; let running transfers go on alone."""
+        sessions = list(self._sessions)
+        await asyncio.gather(*(
+            s.detach() if s.connected else
+            s.end("the agent stopped before the container was started, so its page source is gone; "
+                  "restore the checkpoint again")
+            for s in sessions
+        ), return_exceptions=True)
+        for task in list(self._lazy_tasks):
+            task.cancel()
+        await asyncio.gather(*self._lazy_tasks, return_exceptions=True)
+
     def _track(self, session: LazySession, store: Store) -> None:
+        self._sessions.add(session)
+
         async def forget() -> None:
-            outcome = await session.wait()
+            try:
+                outcome = await session.wait()
+            finally:
+                self._sessions.discard(session)
             if outcome.ok and store.origin(session.checkpoint_id) is not None:
                 try:
                     if await asyncio.to_thread(store.settle_origin, session.checkpoint_id):
@@ -484,9 +581,15 @@ class Restorer:
 
     def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
-        lazy: bool = False,
+        lazy: bool = False, *, nonce: str, mounts: Any = None,
     ) -> None:
-        """Move a container's verified files from staging into its plan dir (renames only)."""
+        """Move a container's verified files from staging into its plan dir (renames only).
+
+        The plan names its `nonce` (the container's mark), and lists the
+        file locks its processes will take again (`locks.json`): a lock
+        that a live process on this node holds against it fails the restore
+        here, by name, instead of leaving CRIU waiting for it.
+        """
         os.makedirs(plan_dir, mode=0o700)
         src = os.path.join(staging, "containers", cname)
         os.replace(os.path.join(src, "checkpoint"), os.path.join(plan_dir, "images"))
@@ -496,8 +599,19 @@ class Restorer:
         for fname in ("rootfs-diff.tar", "deleted.files", "opaque.dirs"):
             if os.path.exists(os.path.join(src, fname)):
                 os.replace(os.path.join(src, fname), os.path.join(plan_dir, fname))
+        try:
+            wanted = plan_locks(os.path.join(plan_dir, "images"), mounts)
+        except errors.AgentError as exc:
+            raise errors.DataLoss(f"checkpoint {record.id}: container {cname}: unreadable file-lock images: {exc}") from exc
+        held = locks.conflicts(wanted)
+        if held:
+            raise errors.FailedPrecondition(f"restore as pod {where}, container {cname}, phase file-locks: "
+                                            + "; ".join(held))
+        if wanted:
+            with open(os.path.join(plan_dir, LOCKS_FILE), "w", encoding="utf-8") as fh:
+                json.dump(wanted, fh)
         plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options),
-                "lazy": lazy}
+                "lazy": lazy, "nonce": nonce}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(plan, fh)

@@ -36,9 +36,21 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
 
-def _timeout(context: grpc.aio.ServicerContext) -> float | None:
+def operation_timeout(context: grpc.aio.ServicerContext) -> float | None:
+    """The operation's own deadline: a little before the caller's.
+
+    The operation then gives up first, and its cleanup begins (a frozen pod
+    is thawed at once) before the caller sees DEADLINE_EXCEEDED on its side.
+    """
     left = context.time_remaining()
-    return None if left is None else max(left, 0.0)
+    if left is None:
+        return None
+    # A quarter of the call's time, at least 50 ms and at most a second, is
+    # left for the cleanup to start (a thaw can take tens of milliseconds).
+    return float(max(left - min(max(left * 0.25, 0.05), 1.0), 0.0))
+
+
+_timeout = operation_timeout
 
 
 class AgentServicer(pb_grpc.NodeAgentServicer):
@@ -60,8 +72,20 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         wrap_progress: Callable[[pb.Progress], Any],
         wrap_result: Callable[[T], Any],
     ) -> AsyncIterator[Any]:
+        if context.cancelled():
+            # The caller went away before this handler ran (a deadline already
+            # spent in transit): start nothing, above all freeze nothing.
+            log.info("a call was cancelled by its caller before it started; nothing was done")
+            return
         queue: asyncio.Queue[Progress] = asyncio.Queue()
         task: asyncio.Task[T] = asyncio.create_task(run(queue.put_nowait), name="api-operation")
+
+        def ended(_: object) -> None:
+            if context.cancelled() and not task.done():
+                task.cancel()  # the caller is gone: thaw and remove, as for any cancellation
+
+        context.add_done_callback(ended)
+        getter: asyncio.Future[Progress] | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -80,6 +104,8 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
                 return
             yield wrap_result(result)
         finally:
+            if getter is not None:
+                getter.cancel()  # a call cancelled while waiting leaves no reader of its queue behind
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -243,7 +269,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         rec = await self._unary(context, lambda: interop.import_archive(
             store, request.input_path, namespace=request.namespace or None, name=request.name or None,
             log_root=s.pod_log_root, cgroup_parent=s.cgroup_parent or None, runtime_handler=s.runtime_handler,
-            criu=s.criu, work_dir=s.work_dir,
+            kubelet_root=s.kubelet_root, criu=s.criu, work_dir=s.work_dir,
         ))
         return convert.checkpoint_info(rec)
 

@@ -8,9 +8,13 @@ containerd. Everything is forwarded to containerd byte for byte
   checkpoint is a self-contained OCI layout inside the caller's directory;
 - `RunPodSandbox`, `CreateContainer` and `RemovePodSandbox` of pods annotated
   with `checkpoint.node-agent.io/restore-from`: the sandbox is made with the
-  restore handler and each container gets a restore plan, so the kubelet's
+  restore handler and each container gets a restore plan (and the plan's
+  mark, an annotation appended to the kubelet's request), so the kubelet's
   own StartContainer resumes the checkpointed processes ("restore through a
-  Pod"). Other pods' calls are forwarded untouched.
+  Pod"). Other pods' calls are forwarded untouched;
+- `StartContainer` of a container with a restore plan: forwarded, then
+  verified (`node_agent.handler`): the runtime must have restored it from
+  its plan, or it is stopped and the call fails.
 
 See docs/cri-endpoint.md.
 """
@@ -31,7 +35,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from node_agent import errors
+from criu_bridge.wrapper import PLAN_ANNOTATION
+from node_agent import errors, handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
@@ -39,7 +44,7 @@ from node_agent.api.cri_proxy import CriProxy, LocalHandler
 from node_agent.checkpointing import CheckpointRequest, Checkpointer, parse_all_options
 from node_agent.cri.client import to_json
 from node_agent.restoring import (
-    RESTORE_OPTIONS, RestoreRequest, Restorer, host_access_refusal, load_saved, undo_restore,
+    RestoreRequest, Restorer, check_host_access, load_saved, parse_restore_options, undo_restore,
 )
 from node_agent.store import CheckpointRecord, CheckpointWriter, Store
 
@@ -47,14 +52,18 @@ log = logging.getLogger(__name__)
 
 RT = "/runtime.v1.RuntimeService/"
 RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
+# On a Pod restored through its annotation: let the checkpoint's configs reach
+# into the host (`true` or `false`; docs/cri-endpoint.md).
+ALLOW_HOST_ACCESS = "checkpoint.node-agent.io/allow-host-access"
 STATE_DIR = "cri-restores"
 S = TypeVar("S", bound=Store)
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def _timeout(context: grpc.aio.ServicerContext) -> float | None:
-    left = context.time_remaining()
-    return None if left is None else max(float(left), 0.0)
+    from node_agent.api.agent import operation_timeout
+
+    return operation_timeout(context)
 
 
 # ---- caller-owned directories -------------------------------------------------
@@ -204,6 +213,7 @@ class CriEndpoint:
         self._forward_run = self.proxy.unary_forwarder(RT + "RunPodSandbox")
         self._forward_create = self.proxy.unary_forwarder(RT + "CreateContainer")
         self._forward_remove = self.proxy.unary_forwarder(RT + "RemovePodSandbox")
+        self._forward_start = self.proxy.unary_forwarder(RT + "StartContainer")
         self._images = cri_grpc.ImageServiceStub(upstream)  # type: ignore[no-untyped-call]
         self.state_root = os.path.join(self.settings.store, STATE_DIR)
         self.restores: dict[str, _PodRestore] = {}
@@ -216,6 +226,7 @@ class CriEndpoint:
             RT + "RunPodSandbox": self.run_pod_sandbox,
             RT + "CreateContainer": self.create_container,
             RT + "RemovePodSandbox": self.remove_pod_sandbox,
+            RT + "StartContainer": self.start_container,
         }
 
     # ---- CheckpointPod ------------------------------------------------------
@@ -284,11 +295,7 @@ class CriEndpoint:
         return bytes(resp.SerializeToString())
 
     async def _restore_pod(self, req: Any, timeout: float | None) -> Any:
-        for key in req.options:
-            if key not in RESTORE_OPTIONS:
-                raise errors.InvalidArgument(
-                    f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
-                )
+        parse_restore_options(dict(req.options))
         if not req.HasField("config"):
             raise errors.InvalidArgument("RestorePod: config (the new PodSandboxConfig) is missing")
         handler = req.runtime_handler or self.settings.runtime_handler
@@ -389,10 +396,14 @@ class CriEndpoint:
         where = f"{meta.namespace}/{meta.name}"
         tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
         try:
+            allow = req.config.annotations.get(ALLOW_HOST_ACCESS, "false")
+            if allow not in ("true", "false"):
+                raise errors.InvalidArgument(f"annotation {ALLOW_HOST_ACCESS}: expected true or false, got {allow!r}")
             record = await self._resolve_checkpoint(ref.strip(), where)
             saved = await asyncio.to_thread(load_saved, self.store, record)
-            host_access_refusal(record.id, saved)
+            check_host_access(record.id, saved, self.settings, allowed=allow == "true")
             await self.restorer.preflight(record, saved)
+            await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
             await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
@@ -444,13 +455,18 @@ class CriEndpoint:
         async with st.lock:
             if name not in st.pending:
                 return await self._forward_create(raw, context)
-            resp_raw = await self._forward_create(raw, context)
+            # The kubelet's request, with the plan's mark appended (map
+            # entries of a later occurrence are merged in when protobuf parses).
+            nonce = secrets.token_hex(16)
+            mark = cri.CreateContainerRequest(config=cri.ContainerConfig(annotations={PLAN_ANNOTATION: nonce}))
+            resp_raw = await self._forward_create(raw + mark.SerializeToString(), context)
             cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
             plan_dir = os.path.join(self.settings.plans_dir, cid)
             try:
                 record = await asyncio.to_thread(self.store.get, st.checkpoint)
                 await asyncio.to_thread(
-                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options
+                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options,
+                    nonce=nonce, mounts=to_json(req.config).get("mounts"),
                 )
                 st.pending.remove(name)
                 st.save()
@@ -467,12 +483,37 @@ class CriEndpoint:
                  extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
         return resp_raw
 
+    async def start_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """StartContainer, forwarded; for a container with a restore plan, then verified as restored."""
+        cid = cri.StartContainerRequest.FromString(raw).container_id
+        plan_dir = os.path.join(self.settings.plans_dir, cid) if _valid_id(cid) else ""
+        nonce = handler.plan_nonce(plan_dir) if plan_dir else None
+        resp = await self._forward_start(raw, context)
+        if nonce is None:
+            return resp
+        try:
+            with open(os.path.join(plan_dir, "plan.json"), encoding="utf-8") as fh:
+                plan = json.loads(fh.read(1 << 20))
+            where = f"restore of pod {plan.get('pod', '?')}, container {plan.get('container', '?')}"
+        except (OSError, ValueError, AttributeError):
+            where = f"restore of container {cid[:13]}"
+        try:
+            await handler.verify_restored(self.checkpointer.cri, self.settings, cid, plan_dir, nonce, where=where,
+                                          handler=self.settings.runtime_handler)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await abort_with(context, exc)
+        return resp
+
     async def remove_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         resp = await self._forward_remove(raw, context)
         st = self.restores.pop(cri.RemovePodSandboxRequest.FromString(raw).pod_sandbox_id, None)
         if st is not None:
             shutil.rmtree(st.dir, ignore_errors=True)
         return resp
+
+
+def _valid_id(cid: str) -> bool:
+    return 0 < len(cid) <= 128 and all(c.isalnum() or c in "-_." for c in cid) and not cid.startswith(".")
 
 
 def _for_pod(exc: BaseException, where: str, ref: str) -> BaseException:

@@ -120,6 +120,34 @@ def _cri_check(s: Settings) -> Check:
         return Check("cri", "WARN", f"{s.cri_endpoint} not reachable ({str(exc).splitlines()[0][:160]}); start containerd or pass --cri-endpoint")
 
 
+def _handler_check(s: Settings) -> Check:
+    """Whether containerd's restore handler serves this agent's plans (as `serve` checks before a restore)."""
+
+    async def probe() -> list[str]:
+        from node_agent import handler
+        from node_agent.cri import CriClient
+
+        c = CriClient(s.cri_endpoint, timeout=5)
+        try:
+            return (await handler.inspect(c, s.runtime_handler)).problems(s)
+        finally:
+            await c.close()
+
+    from node_agent import errors
+    from node_agent.handler import fix_command
+
+    try:
+        problems = asyncio.run(probe())
+    except errors.FailedPrecondition as exc:
+        return Check("restore handler", "FAIL", str(exc), "run the agent on containerd 1.6 or newer")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return Check("restore handler", "WARN", f"not checked: no CRI at {s.cri_endpoint} "
+                                                f"({str(exc).splitlines()[0][:120]})")
+    if problems:
+        return Check("restore handler", "FAIL", "; ".join(problems) + ": restores are refused", fix_command(s))
+    return Check("restore handler", "OK", f"{s.runtime_handler!r} runs this agent's wrapper for {s.plans_dir}")
+
+
 def run_checks(s: Settings) -> list[Check]:
     checks: list[Check] = []
     caps = _caps()
@@ -154,6 +182,7 @@ def run_checks(s: Settings) -> list[Check]:
         checks.append(Check("network lock", "FAIL", "neither iptables-restore nor nft found: CRIU cannot lock the network; install iptables"))
 
     checks.append(_cri_check(s))
+    checks.append(_handler_check(s))
 
     if os.path.isdir(s.store):
         mode = os.stat(s.store).st_mode & 0o777
@@ -416,14 +445,10 @@ def _interpreter(path: str) -> str | None:
 
 def _wrapper_runc(path: str) -> str | None:
     """The runc a launcher written by criu_bridge.wrapper.install runs."""
-    import re
+    from criu_bridge.wrapper import launcher_settings
 
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            m = re.search(r"\bmain\((['\"])(/[^'\"]+)\1", fh.read(4096))
-    except OSError:
-        return None
-    return m.group(2) if m else None
+    found = launcher_settings(path)
+    return found[0] if found else None
 
 
 def _handler_checks(s: Settings, config_path: str, host_root: str) -> list[Check]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
@@ -49,12 +48,11 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from node_agent import logconfig
-    from node_agent.daemon import serve
+    from node_agent.daemon import run
 
     s = settings_from(args)
     logconfig.setup(s.log_format, s.log_level)
-    asyncio.run(serve(s))
-    return 0
+    return run(s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,6 +113,11 @@ class CriClient:
         r = await self._call("CRI Version", self._rt.Version, cri.VersionRequest(version="v1"))
         return r.runtime_name, r.runtime_version
 
+    async def status_info(self) -> dict[str, str]:
+        """The runtime's verbose Status `info` (containerd: its CRI config as JSON under "config")."""
+        r = await self._call("CRI Status", self._rt.Status, cri.StatusRequest(verbose=True))
+        return dict(r.info)
+
     async def list_pods(self) -> list[Pod]:
         r = await self._call("ListPodSandbox", self._rt.ListPodSandbox, cri.ListPodSandboxRequest())
         return [_pod_from(sb) for sb in r.items]
@@ -203,6 +208,12 @@ class CriClient:
     async def start_container(self, container_id: str, *, timeout: float | None = None) -> None:
         await self._call(f"StartContainer {container_id[:13]}", self._rt.StartContainer, cri.StartContainerRequest(container_id=container_id), timeout=timeout or max(self.timeout, 120))
 
+    async def stop_container(self, container_id: str, *, timeout: int = 0) -> None:
+        """StopContainer, killing after `timeout` seconds (0: at once)."""
+        await self._call(f"StopContainer {container_id[:13]}", self._rt.StopContainer,
+                         cri.StopContainerRequest(container_id=container_id, timeout=timeout),
+                         timeout=max(self.timeout, timeout + 30))
+
     async def remove_container(self, container_id: str) -> None:
         await self._call(f"RemoveContainer {container_id[:13]}", self._rt.RemoveContainer, cri.RemoveContainerRequest(container_id=container_id))
 
@@ -222,6 +233,16 @@ def _parse(data: Mapping[str, Any], msg_type: type[M], what: str) -> M:
         return json_format.ParseDict(dict(data), msg_type())
     except json_format.ParseError as exc:
         raise errors.InvalidArgument(f"{what} does not match the CRI schema: {exc}") from exc
+
+
+def normalized(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """A pod ("pod") or container ("container") config checked against the CRI schema, in canonical JSON.
+
+    Unknown fields are refused; enums come back as numbers and field names
+    as in the .proto, whatever spelling the input used.
+    """
+    msg_type = cri.PodSandboxConfig if kind == "pod" else cri.ContainerConfig
+    return to_json(_parse(config, msg_type, f"{kind} config"))
 
 
 def to_json(msg: Any) -> dict[str, Any]:

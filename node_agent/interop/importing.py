@@ -49,7 +49,7 @@ from typing import Any
 
 import zstandard
 
-from node_agent import errors
+from node_agent import errors, hostaccess
 from node_agent.checkpointing import METADATA_KIND, manifest_annotations, parse_options
 from node_agent.interop import common as c
 from node_agent.interop import criuimg, foreign, tarfmt
@@ -314,23 +314,6 @@ def _read_json(staging: _Staging, entries: Mapping[str, _Staged], path: str, lim
     return c.parse_json(staging.read(entry.name, limits.max_json_bytes, path), path, limits.max_json_bytes)
 
 
-def _check_host_access(cfg: Mapping[str, Any], pod_cfg: Mapping[str, Any], container: str) -> None:
-    """Refuse configs from an archive that reach into the host: mounts, devices, host ports."""
-    found = []
-    for key in ("mounts", "devices"):
-        items = cfg.get(key)
-        if isinstance(items, list) and items:
-            paths = [str(i.get("host_path", "?")) if isinstance(i, Mapping) else "?" for i in items]
-            found.append(f"container {container} {key} {', '.join(paths[:5])}")
-    ports = pod_cfg.get("port_mappings")
-    if isinstance(ports, list) and any(isinstance(p, Mapping) and p.get("host_port") for p in ports):
-        found.append("host ports in the pod's port_mappings")
-    if found:
-        raise errors.FailedPrecondition(
-            f"the archive's configs reach into the host ({'; '.join(found)}); import it only with allow_host_access"
-        )
-
-
 def _check_pod_paths(pod_cfg: Mapping[str, Any], log_root: str | None) -> None:
     """The pod's log directory and cgroup parent: absolute, no '..'; the log directory under `log_root`."""
     linux = pod_cfg.get("linux")
@@ -363,7 +346,8 @@ class _Out:
 
 def _own_plan(
     staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, *,
-    namespace: str | None, name: str | None, log_root: str | None, allow_host_access: bool,
+    namespace: str | None, name: str | None, log_root: str | None, allow_host_access: bool, kubelet_root: str,
+    store_root: str,
 ) -> tuple[list[_Out], dict[str, Any]]:
     """Undo exporting.archive_path; metadata from node-agent/manifest.json."""
     doc = _read_json(staging, entries, c.OWN_MANIFEST, limits)
@@ -449,8 +433,9 @@ def _own_plan(
     if not isinstance(pod_doc, Mapping) or not isinstance(pod_doc.get("config"), Mapping):
         raise errors.InvalidArgument("node-agent/pod/config.json has no pod config")
     _check_pod_paths(pod_doc["config"], log_root)
-    if not allow_host_access:
-        _check_host_access(cfg["config"], pod_doc["config"], container)
+    found = hostaccess.findings(pod_doc["config"], [(container, cfg["config"])], kubelet_root=kubelet_root,
+                                agent_files=os.path.join(store_root, INTEROP_DIR))
+    hostaccess.refuse(f"the archive of container {container}", found, allowed=allow_host_access)
     for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
         if nested in by_path and by_path[nested].staged:
             _check_nested_tar(staging, by_path[nested].staged or "", what, limits)
@@ -614,6 +599,7 @@ def import_archive(
     volumes: Mapping[str, str] | None = None,
     options: Mapping[str, str] | None = None,
     allow_host_access: bool = False,
+    kubelet_root: str = "/var/lib/kubelet",
     criu: str = "criu",
     cpuinfo_dump: Callable[[str], None] | None = None,
     work_dir: str | None = None,
@@ -630,8 +616,10 @@ def import_archive(
     `options` (checkpoint options the restore needs, e.g. tcp-established),
     and `criu` or `cpuinfo_dump` to describe this node's CPU. For
     node-agent archives, `log_root` (when given) must hold the pod's log
-    directory, and host mounts, devices and host ports in the configs are
-    refused unless `allow_host_access`.
+    directory, and whatever in the configs reaches into the host
+    (`node_agent.hostaccess`: mounts outside the pod's own volumes under
+    `kubelet_root`, devices, privileged mode, ...) is refused unless
+    `allow_host_access`.
     """
     if namespace is not None:
         c.check_name(namespace, "namespace")
@@ -655,7 +643,7 @@ def import_archive(
         if c.OWN_MANIFEST in entries:
             plan, meta = _own_plan(
                 staging, entries, limits, namespace=namespace, name=name, log_root=log_root,
-                allow_host_access=allow_host_access,
+                allow_host_access=allow_host_access, kubelet_root=kubelet_root, store_root=store.root,
             )
         else:
             opts = foreign.ForeignOptions(

@@ -18,6 +18,15 @@ container's processes first, then lets the connection go, then reports
 the failure with the pod, the container, the phase and the daemon's
 decisive log lines. When every page is in, the daemon and the source exit
 by themselves and the plan's images are removed.
+
+Before the restored process connects, the helpers serve nothing and must
+not outlive their purpose: they end when the restore fails (`end`), when
+the container is removed (the guard asks CRI), after `timeouts.lazy-start`
+(the source enforces that by itself too, stopping its daemon), and when
+the agent stops (`end`; the plan then says why, and a later
+StartContainer fails instead of starting the image fresh). Once the
+process is connected, the daemon holds its userfaultfds: an agent that
+stops lets go of the session (`detach`) and the transfer goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +68,7 @@ class Outcome:
     seconds: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # one session is one set of helpers: identity, not value
 class LazySession:
     settings: Settings
     pod: str  # namespace/name
@@ -77,6 +87,8 @@ class LazySession:
     # ``store_root`` is the source's own (hard links to a caller's
     # checkpoint, in the plan dir): the source removes it when it ends.
     private_store: bool = False
+    # Whether the container still exists (CRI); None: not known now.
+    exists: Callable[[], Awaitable[bool | None]] | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _daemon: asyncio.subprocess.Process | None = None
@@ -87,6 +99,12 @@ class LazySession:
     _finished: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
     _connected: bool = False
+    _ending: str = ""  # why the helpers are being ended before a connection
+    _quiet: bool = False  # an ending the caller reports itself
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
 
     @property
     def where(self) -> str:
@@ -168,6 +186,9 @@ class LazySession:
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
+        log.info("restore of pod %s, container %s: lazy-pages daemon and page source ready, waiting for the restored "
+                 "process (StartContainer, within %gs)", self.pod, self.container, self.settings.timeouts.lazy_start,
+                 extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
 
     async def wait(self) -> Outcome:
         await self._finished.wait()
@@ -180,8 +201,9 @@ class LazySession:
         try:
             outcome = await self._watch()
         except asyncio.CancelledError:
-            # The agent is shutting down: the page source serves on by itself.
+            # The agent lets go (`detach`): the page source serves on by itself.
             self._close_conn()
+            self._close_ctrl()
             raise
         except Exception as exc:  # noqa: BLE001 - a guard must always end in a decision
             outcome = Outcome(False, f"the guard failed: {exc!r}")
@@ -195,18 +217,29 @@ class LazySession:
         reader = _ControlReader(self._ctrl)
         first = asyncio.ensure_future(reader.next())
         deadline = time.monotonic() + self.settings.timeouts.lazy_start
+        asked = time.monotonic()
         while not first.done():
             await asyncio.wait([first], timeout=1.0)
             if first.done():
                 break
-            if not os.path.isdir(self.plan_dir):
+            if self._ending:
+                break
+            gone = not os.path.isdir(self.plan_dir)
+            if not gone and self.exists is not None and time.monotonic() - asked >= 2.0:
+                asked = time.monotonic()
+                gone = await self.exists() is False
+            if gone:
                 self._removed = True
                 return Outcome(False, "the container was removed before it started")
             if time.monotonic() > deadline:
                 return Outcome(False, f"StartContainer did not come within {self.settings.timeouts.lazy_start:g}s; "
                                       "the page source gave up (restore the checkpoint again)")
+        if self._ending and not first.done():
+            return Outcome(False, self._ending)
         event = first.result()
         if event is None:
+            if self._ending:
+                return Outcome(False, self._ending)
             return Outcome(False, f"the page source exited before the restore connected ({await self._source_exit()})")
         if event.get("event") == "error":
             return Outcome(False, str(event.get("message")))
@@ -217,6 +250,8 @@ class LazySession:
         for extra in reader.fds:
             os.close(extra)
         self._ctrl.sendall(b"ok\n")
+        log.info("restore of pod %s, container %s: the restored process connected, its pages stream in",
+                 self.pod, self.container, extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
         event = await reader.next()
         if event is not None and event.get("event") == "done":
             pages = int(event.get("pages", 0))
@@ -249,6 +284,14 @@ class LazySession:
             os.close(self._conn_fd)
             self._conn_fd = -1
 
+    def _close_ctrl(self) -> None:
+        """Close the control socket, waking a thread blocked reading it (it reads the end of the stream)."""
+        if self._ctrl is not None:
+            try:
+                self._ctrl.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     async def _finish(self, outcome: Outcome) -> None:
         if not outcome.ok:
             await self._stop_daemon()
@@ -264,6 +307,7 @@ class LazySession:
                 self._source.kill()
                 await self._source.wait()
         if self._ctrl is not None:
+            self._close_ctrl()
             self._ctrl.close()
         try:
             os.unlink(os.path.join(self.work, SOCKET_NAME))
@@ -286,6 +330,11 @@ class LazySession:
         elif self._removed:
             log.info("restore of pod %s, container %s: removed before it started; its page source stopped",
                      self.pod, self.container, extra={"pod": self.pod, "container": self.container})
+        elif self._quiet:
+            outcome.message = f"{self.where}: {outcome.message}"
+            log.info("%s; its lazy-pages daemon and page source stopped", outcome.message,
+                     extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+            _write(os.path.join(self.plan_dir, FAILED_FILE), outcome.message)
         else:
             decisive = self._daemon_log_summary()
             reason = outcome.message + (f"; lazy-pages: {decisive}" if decisive else "")
@@ -317,12 +366,34 @@ class LazySession:
             pass
         await d.wait()
 
+    async def end(self, reason: str) -> None:
+        """End the helpers of a container that has not connected (the restore failed, the agent stops).
+
+        `reason` goes into the plan (`lazy.failed`), so a later StartContainer
+        fails with it instead of running without memory. A session already
+        connected is left alone: its transfer goes on.
+        """
+        if self._task is None or self._task.done() or self._connected:
+            return
+        self._ending, self._quiet = reason, True
+        if self._source is not None and self._source.returncode is None:
+            self._source.kill()
+        await self._finished.wait()
+
     async def cancel(self) -> None:
-        """Stop waiting for a restore that will not come (the container was removed)."""
-        if self._task is not None and not self._task.done() and not self._connected:
-            if self._source is not None and self._source.returncode is None:
-                self._source.kill()
-            await self._finished.wait()
+        """Stop waiting for a restore that will not come (the restore failed)."""
+        await self.end("the restore failed before the container was started")
+
+    async def detach(self) -> None:
+        """Let go of a connected transfer (the agent stops): the daemon and the page source go on alone."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():
+                    raise
 
 
 def _write(path: str, text: str) -> None:
@@ -345,7 +416,10 @@ class _ControlReader:
 
     def _read_line(self) -> dict[str, Any] | None:
         while b"\n" not in self.buf:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
+            except OSError:
+                return None  # the source is gone (reset), or the agent closed its end: the end of the stream
             self.fds.extend(fds)
             if not data:
                 return None

@@ -53,6 +53,7 @@ def pull(
     if reference.tag is None and reference.digest is None:
         raise InvalidArgument(f"reference {reference} names neither a tag nor a digest")
     tally = Tally(progress)
+    log.info("pulling %s: fetching its manifest", reference)
     with Session(reference, creds, timeout=timeout, actions="pull") as session:
         tally.report("manifest")
         manifest, digest = _get_manifest(session)

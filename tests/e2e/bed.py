@@ -133,9 +133,13 @@ def testbed(*args: str, timeout: float = 600) -> str:
     return cp.stdout
 
 
-def bring_up(name: str, workdir: Path, containerd: str | None = None) -> Bed:
+def bring_up(name: str, workdir: Path, containerd: str | None = None, handler_store: str | None = None,
+             images: str | None = None) -> Bed:
     """A test bed named `name` with the agent's restore handler, and the agent's config.
-    `containerd`: the containerd binary the bed runs (default: the system's)."""
+    `containerd`: the containerd binary the bed runs (default: the system's).
+    `handler_store`: write the handler for this store instead of the agent's (the easy
+    mistake: `containerd-config` run without the agent's settings).
+    `images`: the images to import (`scripts/testbed up --images`; default all)."""
     store = str(workdir / "store")
     sock = str(workdir / "agent.sock")
     cri_sock = str(workdir / "cri.sock")
@@ -149,15 +153,19 @@ def bring_up(name: str, workdir: Path, containerd: str | None = None) -> Bed:
         ]) + "\n"
     )
     snippet = workdir / "handler.toml"
-    cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config)], capture_output=True, text=True)
+    extra_args = ["--store", handler_store] if handler_store else []
+    cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config), *extra_args],
+                        capture_output=True, text=True)
     if cp.returncode != 0:
         raise AssertionError(f"containerd-config failed: {cp.stderr}")
     snippet.write_text(cp.stdout)
     extra = ["--containerd", containerd] if containerd else []
+    extra += ["--images", images] if images else []
     info = json.loads(testbed("up", name, "--handler-snippet", str(snippet), *extra))
     assert info["runc_root"] == runc_root, info
     with config.open("a") as fh:
-        fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n")
+        fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n"
+                 f"kubelet-root: {info['kubelet_root']}\n")
     return Bed(name=name, info=info, store=store, socket=sock, config=str(config), agent_log=str(workdir / "agent.log"),
                cri_socket=cri_sock)
 
@@ -181,8 +189,15 @@ class PodHandle:
     containers: dict[str, str] = field(default_factory=dict)  # name -> id
 
 
-def pod_config(bed: Bed, namespace: str, name: str) -> dict[str, Any]:
-    uid = str(uuid.uuid4())
+def volume_dir(bed: Bed, uid: str, name: str) -> str:
+    """A pod's own volume (an emptyDir where a kubelet keeps it), created; mount it by this host path."""
+    path = os.path.join(bed.info["kubelet_root"], "pods", uid, "volumes", "kubernetes.io~empty-dir", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def pod_config(bed: Bed, namespace: str, name: str, uid: str | None = None) -> dict[str, Any]:
+    uid = uid or str(uuid.uuid4())
     log_dir = os.path.join(bed.info["pod_log_root"], f"{namespace}_{name}_{uid}")
     os.makedirs(log_dir, exist_ok=True)
     return {
@@ -214,9 +229,9 @@ def container_config(name: str, image: str, command: list[str], *, devices: list
 
 
 def make_pod(bed: Bed, namespace: str, containers: list[dict[str, Any]], name: str | None = None,
-             handler: str = "") -> PodHandle:
+             handler: str = "", uid: str | None = None) -> PodHandle:
     name = name or f"p-{secrets.token_hex(3)}"
-    pcfg = pod_config(bed, namespace, name)
+    pcfg = pod_config(bed, namespace, name, uid)
     for c in containers:
         os.makedirs(os.path.join(pcfg["log_directory"], c["metadata"]["name"]), exist_ok=True)
 
@@ -323,3 +338,43 @@ def ask(ip: str, port: int = 8080, timeout: float = 10) -> str:
                 break
             data += chunk
     return data.decode().strip()
+
+
+def lazy_helpers(under: str) -> list[str]:
+    """"PID ARGS" of each lazy-pages daemon and page source whose arguments name a path containing `under`
+    (a store's plans directory, or `/plans/<container id>/`)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                args = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if ("lazy-pages" in args or "node_agent.lazy.source" in args) and under in args:
+            found.append(f"{pid} {args}")
+    return found
+
+
+def start_refusal(bed: Bed, cid: str) -> str:
+    """Call StartContainer on containerd directly; the error it gave ("" if it started)."""
+
+    async def start(cri: CriClient) -> str:
+        try:
+            await cri.start_container(cid)
+        except Exception as exc:  # noqa: BLE001 - the refusal is what the caller looks at
+            return str(exc)
+        return ""
+
+    return bed.cri(start)
+
+
+def volume_holder_pod(bed: Bed, namespace: str) -> tuple[PodHandle, str]:
+    """A pod whose shell holds a file open on its own volume, and that volume's host path."""
+    uid = str(uuid.uuid4())
+    vol = volume_dir(bed, uid, "vol")
+    pod = make_pod(bed, namespace, [
+        container_config("holder", bed.info["images"]["busybox"], [
+            "sh", "-c", "exec 5>>/vol/held.txt; i=0; while :; do i=$((i+1)); echo tick $i; echo $i >&5; sleep 0.2; done",
+        ], mounts=[{"container_path": "/vol", "host_path": vol}]),
+    ], uid=uid)
+    return pod, vol

@@ -65,6 +65,21 @@ def node2(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 
 @pytest.fixture(scope="session")
+def misbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A bed whose restore handler was set up for another store than its agent's (a mismatched node)."""
+    name = BED_NAME + "-mis"
+    workdir = tmp_path_factory.mktemp("misbed")
+    b = bring_up(name, workdir, handler_store=str(workdir / "other-store"))
+    b.start_agent()
+    try:
+        yield b
+    finally:
+        b.stop_agent()
+        if os.environ.get("NODE_AGENT_E2E_KEEP") != "1":
+            testbed("down", name)
+
+
+@pytest.fixture(scope="session")
 def bed17(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Bed, EventTap]]:
     """A bed running containerd 1.7 (which streams container events), with an agent and its CRI endpoint.
     The agent reaches containerd through an EventTap, which keeps what containerd streamed to it."""

@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.bed import (
     NODE_AGENT, Bed, container_config, container_detail, counter_pod, freezer_state, make_pod, pods_in,
-    remove_pod, ticks, wait_for,
+    remove_pod, ticks, volume_holder_pod, wait_for,
 )
 
 
@@ -133,15 +133,8 @@ def test_refusals_change_nothing(agent: Bed) -> None:
         remove_pod(agent, gpu.id)
 
 
-def test_failed_restore_leaves_nothing_and_names_the_missing_file(agent: Bed, tmp_path: object) -> None:
-    imgs = agent.info["images"]
-    vol = os.path.join(str(tmp_path), "vol")
-    os.makedirs(vol)
-    pod = make_pod(agent, "e2e-vol", [
-        container_config("holder", imgs["busybox"], [
-            "sh", "-c", "exec 5>>/vol/held.txt; i=0; while :; do i=$((i+1)); echo tick $i; echo $i >&5; sleep 0.2; done",
-        ], mounts=[{"container_path": "/vol", "host_path": vol}]),
-    ])
+def test_failed_restore_leaves_nothing_and_names_the_missing_file(agent: Bed) -> None:
+    pod, vol = volume_holder_pod(agent, "e2e-vol")
     try:
         d = container_detail(agent, pod.containers["holder"])
         wait_for(lambda: len(ticks(d.log_path)) >= 2, what="ticks")

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.bed import (
-    Bed, PodHandle, answers, ask, container_config, container_detail, make_pod, pod_detail, remove_pod, wait_for,
+    Bed, PodHandle, answers, ask, container_config, container_detail, lazy_helpers, make_pod, pod_detail, remove_pod,
+    wait_for,
 )
 
 
@@ -30,16 +31,7 @@ def _sum(reply: str) -> str:
 
 def _lazy_processes(cid: str) -> list[str]:
     """"PID ARGS" of the page source and lazy-pages daemon of container ``cid``."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                args = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if ("lazy.source" in args and cid in args) or ("lazy-pages" in args and f"/plans/{cid}/" in args):
-            found.append(f"{pid} {args}")
-    return found
+    return lazy_helpers(f"/plans/{cid}/")
 
 
 def _plans(bed: Bed) -> str:

@@ -37,7 +37,7 @@ def test_established_tcp_is_refused_with_the_decisive_line_then_taken_with_the_o
 
         ckpt = agent.cli("checkpoint", pod.id, "--option", "tcp-established=true").stdout.strip().splitlines()[-1]
         info = json.loads(agent.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
-        assert info["options"] == {"tcp-established": "true"}
+        assert info["options"] == {"tcp-established": "true", "file-locks": "true"}
         # The connection is on the pod's loopback, which the new pod has too.
         out = agent.cli("restore", ckpt, "--namespace", "e2e-tcp-dst", "--start").stdout.split()
         try:

@@ -44,13 +44,11 @@ def test_pre_dump_option_is_the_agents_own() -> None:
     assert parse_all_options({})[1] is None
 
 
-def test_restore_refuses_host_access_unless_allowed() -> None:
-    from node_agent.restoring import _Saved, host_access_refusal
+def test_file_locks_are_on_for_new_checkpoints_unless_turned_off() -> None:
+    from node_agent.checkpointing import parse_all_options
 
-    ok = _Saved("ns", "p", {"linux": {}}, (("c", {"config": {"linux": {}}}, {}),), ())
-    host_access_refusal("sha256:x", ok)
-    bad = _Saved("ns", "p", {"linux": {"security_context": {"namespace_options": {"network": 2}}}},
-                 (("c", {"config": {"linux": {"security_context": {"privileged": True}}}}, {}),), ())
-    with pytest.raises(errors.FailedPrecondition) as e:
-        host_access_refusal("sha256:x", bad)
-    assert "host's network namespace" in str(e.value) and "container c is privileged" in str(e.value)
+    assert parse_all_options({})[0].runc_args() == ["--file-locks"]
+    assert parse_all_options({})[0].as_options() == {"file-locks": "true"}
+    assert parse_all_options({"file-locks": "false"})[0].runc_args() == []
+    # The options a dump was made with: what is not there was off.
+    assert parse_options({}).runc_args() == []

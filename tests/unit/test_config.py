@@ -61,3 +61,10 @@ def test_lazy_restore_setting(tmp_path: Path) -> None:
     cfg.write_text("lazy-restore: sometimes\n")
     with pytest.raises(InvalidArgument, match="lazy-restore must be auto or never"):
         load(str(cfg))
+
+
+def test_non_ascii_digits_are_not_a_port() -> None:
+    from node_agent.config import host_port
+
+    with pytest.raises(InvalidArgument):
+        host_port("127.0.0.1:\u00b2")  # "²".isdigit() is True, int("²") is not

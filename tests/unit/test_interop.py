@@ -377,7 +377,7 @@ def test_own_archive_with_host_mounts_needs_permission(env: Env) -> None:
     interop.export_container(env.store, rec.id, "app", str(out))
     env.store.remove(rec.id)
     before = env.outside()
-    with pytest.raises(errors.FailedPrecondition, match="reach into the host.*mounts /"):
+    with pytest.raises(errors.FailedPrecondition, match="reaches into the host.*mounts host path / at /host"):
         interop.import_archive(env.store, str(out))
     env.assert_clean(before)
     assert interop.import_archive(env.store, str(out), allow_host_access=True).metadata["pod"]["name"] == "web"
@@ -391,7 +391,7 @@ def test_own_archive_with_host_ports_needs_permission(env: Env) -> None:
     interop.export_container(env.store, rec.id, "app", str(out))
     env.store.remove(rec.id)
     before = env.outside()
-    with pytest.raises(errors.FailedPrecondition, match="host ports"):
+    with pytest.raises(errors.FailedPrecondition, match="the pod maps host port 22"):
         interop.import_archive(env.store, str(out))
     env.assert_clean(before)
 

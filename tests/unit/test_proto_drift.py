@@ -109,6 +109,17 @@ def test_restore_pod_messages() -> None:
     )
 
 
+def test_status_messages() -> None:
+    assert {f.name: (f.number, f.type) for f in api_pb2.StatusRequest.DESCRIPTOR.fields} == {"verbose": (1, T.TYPE_BOOL)}
+    _assert_fields(
+        api_pb2.StatusResponse,
+        {"status": (1, "RuntimeStatus"), "info": (2, "map"), "runtime_handlers": (3, "[RuntimeHandler]"),
+         "features": (4, "RuntimeFeatures")},
+    )
+    _assert_fields(api_pb2.RuntimeStatus, {"conditions": (1, "[RuntimeCondition]")})
+    _assert_fields(api_pb2.RuntimeHandler, {"name": (1, "string"), "features": (2, "RuntimeHandlerFeatures")})
+
+
 def test_checkpoint_container_message() -> None:
     descriptor = api_pb2.CheckpointContainerRequest.DESCRIPTOR
     fields = {f.name: (f.number, f.type) for f in descriptor.fields}
@@ -190,6 +201,7 @@ RUNTIME_METHODS = {
     "RemoveContainer",
     "ListContainers",
     "ContainerStatus",
+    "Status",
     "CheckpointContainer",
     "CheckpointPod",
     "RestorePod",

@@ -170,3 +170,74 @@ def test_a_lazy_plan_without_its_page_source_fails_clearly(env: dict[str, Path],
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
     assert "ns/p" in msg and "container app" in msg and "phase lazy-pages" in msg
     assert ("blob sha256:0f missing" in msg) if failed else ("page source for this container is gone" in msg)
+
+
+def _spec_with_mark(env: dict[str, Path], nonce: str) -> None:
+    (env["bundle"] / "config.json").write_text(json.dumps(
+        {"root": {"path": "rootfs"}, "annotations": {wrapper.PLAN_ANNOTATION: nonce, "other": "x"}}))
+
+
+def test_a_marked_container_without_its_plan_is_refused_and_runc_never_runs(env: dict[str, Path]) -> None:
+    _spec_with_mark(env, "f" * 32)
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle", str(env["bundle"]),
+             "--pid-file", "/p", CID)
+    assert r.returncode != 0
+    assert not env["record"].exists(), "a marked container must never be created from its image"
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert CID in msg and wrapper.PLAN_ANNOTATION in msg and str(env["plans"]) in msg
+    # Other calls on it (delete of the failed create, state) still reach runc.
+    assert _run(env, "--root", "/r", "delete", "--force", CID).returncode == 0
+    assert _argv(env) == ["--root", "/r", "delete", "--force", CID]
+
+
+def test_a_marked_container_with_another_plans_nonce_is_refused(env: dict[str, Path]) -> None:
+    d = _plan(env)
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "nonce": "a" * 32}))
+    _spec_with_mark(env, "b" * 32)
+    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode != 0 and not env["record"].exists()
+    assert "phase plan" in (d / "failed").read_text()
+
+
+def test_a_restore_records_the_container_the_nonce_and_the_restored_pid(env: dict[str, Path]) -> None:
+    d = _plan(env)
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "nonce": "c" * 32, "checkpoint": "sha256:" + "1" * 64}))
+    _spec_with_mark(env, "c" * 32)
+    pid_file = env["tmp"] / "init.pid"
+    pid_file.write_text("4242")  # what runc restore writes
+    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), "--pid-file", str(pid_file), CID)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((d / "restored").read_text())
+    assert rec == {"container_id": CID, "checkpoint": "sha256:" + "1" * 64, "nonce": "c" * 32, "pid": 4242}
+
+
+def test_a_lock_a_live_process_holds_fails_the_restore_by_name(env: dict[str, Path]) -> None:
+    import fcntl
+
+    d = _plan(env)
+    vol = env["tmp"] / "vol"
+    vol.mkdir()
+    lock = vol / "app.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (d / wrapper.LOCKS_FILE).write_text(json.dumps([
+            {"path": "/vol/app.lock", "host": str(lock), "kind": "flock", "write": True, "start": 0, "len": 0},
+        ]))
+        log = env["tmp"] / "log.json"
+        r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+                 str(env["bundle"]), CID)
+        assert r.returncode != 0 and not env["record"].exists()
+        msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+        assert "phase file-locks" in msg and "/vol/app.lock" in msg and str(lock) in msg
+    # Released: the same plan restores.
+    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode == 0, r.stderr
+
+
+def test_launcher_settings_read_back_what_install_wrote(env: dict[str, Path]) -> None:
+    assert wrapper.launcher_settings(str(env["launcher"])) == (str(env["fake"]), str(env["plans"]))
+    assert wrapper.launcher_settings(str(env["fake"])) is None
+    assert wrapper.launcher_settings(str(env["tmp"] / "missing")) is None

@@ -215,6 +215,73 @@ class VersionResponse(_message.Message):
     runtime_api_version: str
     def __init__(self, version: _Optional[str] = ..., runtime_name: _Optional[str] = ..., runtime_version: _Optional[str] = ..., runtime_api_version: _Optional[str] = ...) -> None: ...
 
+class RuntimeCondition(_message.Message):
+    __slots__ = ("type", "status", "reason", "message")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    status: bool
+    reason: str
+    message: str
+    def __init__(self, type: _Optional[str] = ..., status: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RuntimeStatus(_message.Message):
+    __slots__ = ("conditions",)
+    CONDITIONS_FIELD_NUMBER: _ClassVar[int]
+    conditions: _containers.RepeatedCompositeFieldContainer[RuntimeCondition]
+    def __init__(self, conditions: _Optional[_Iterable[_Union[RuntimeCondition, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("verbose",)
+    VERBOSE_FIELD_NUMBER: _ClassVar[int]
+    verbose: bool
+    def __init__(self, verbose: _Optional[bool] = ...) -> None: ...
+
+class RuntimeHandlerFeatures(_message.Message):
+    __slots__ = ("recursive_read_only_mounts", "user_namespaces")
+    RECURSIVE_READ_ONLY_MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    USER_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    recursive_read_only_mounts: bool
+    user_namespaces: bool
+    def __init__(self, recursive_read_only_mounts: _Optional[bool] = ..., user_namespaces: _Optional[bool] = ...) -> None: ...
+
+class RuntimeHandler(_message.Message):
+    __slots__ = ("name", "features")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    features: RuntimeHandlerFeatures
+    def __init__(self, name: _Optional[str] = ..., features: _Optional[_Union[RuntimeHandlerFeatures, _Mapping]] = ...) -> None: ...
+
+class RuntimeFeatures(_message.Message):
+    __slots__ = ("supplemental_groups_policy", "user_namespaces_host_network")
+    SUPPLEMENTAL_GROUPS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    USER_NAMESPACES_HOST_NETWORK_FIELD_NUMBER: _ClassVar[int]
+    supplemental_groups_policy: bool
+    user_namespaces_host_network: bool
+    def __init__(self, supplemental_groups_policy: _Optional[bool] = ..., user_namespaces_host_network: _Optional[bool] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("status", "info", "runtime_handlers", "features")
+    class InfoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_HANDLERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    status: RuntimeStatus
+    info: _containers.ScalarMap[str, str]
+    runtime_handlers: _containers.RepeatedCompositeFieldContainer[RuntimeHandler]
+    features: RuntimeFeatures
+    def __init__(self, status: _Optional[_Union[RuntimeStatus, _Mapping]] = ..., info: _Optional[_Mapping[str, str]] = ..., runtime_handlers: _Optional[_Iterable[_Union[RuntimeHandler, _Mapping]]] = ..., features: _Optional[_Union[RuntimeFeatures, _Mapping]] = ...) -> None: ...
+
 class Int64Value(_message.Message):
     __slots__ = ("value",)
     VALUE_FIELD_NUMBER: _ClassVar[int]

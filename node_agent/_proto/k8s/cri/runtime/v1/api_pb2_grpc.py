@@ -95,6 +95,11 @@ class RuntimeServiceStub:
                 request_serializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusRequest.SerializeToString,
                 response_deserializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/runtime.v1.RuntimeService/Status',
+                request_serializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
+                response_deserializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusResponse.FromString,
+                _registered_method=True)
         self.CheckpointContainer = channel.unary_unary(
                 '/runtime.v1.RuntimeService/CheckpointContainer',
                 request_serializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.CheckpointContainerRequest.SerializeToString,
@@ -187,6 +192,14 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """The runtime's conditions; verbose, also its configuration as JSON
+        (containerd: `info["config"]`, with every runtime handler's options).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CheckpointContainer(self, request, context):
         """Forensic checkpoint of one container into a tar archive (KEP-2008).
         """
@@ -270,6 +283,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ContainerStatus,
                     request_deserializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusRequest.FromString,
                     response_serializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusRequest.FromString,
+                    response_serializer=k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusResponse.SerializeToString,
             ),
             'CheckpointContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointContainer,
@@ -611,6 +629,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/ContainerStatus',
             k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusRequest.SerializeToString,
             k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.ContainerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/Status',
+            k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
+            k8s_dot_cri_dot_runtime_dot_v1_dot_api__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
