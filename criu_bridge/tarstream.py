@@ -215,7 +215,12 @@ class FileSource:
         return b"".join(parts)
 
     def skip(self, n: int) -> None:
-        # Past the end is noticed by the next read.
+        # Past the end is truncation, as for a stream: a reader that takes the
+        # end of the source for the end of the archive must not take a member
+        # cut short for one.
+        if self.pos + n > self.size:
+            self.pos = self.size
+            raise truncated()
         self.pos += n
 
 

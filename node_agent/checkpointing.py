@@ -29,6 +29,7 @@ from criu_bridge.freezer import Freezer
 from criu_bridge.rpc import CriuClient
 from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags, Runc, reap
 from node_agent import errors
+from node_agent.options import boolean
 from node_agent.config import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
 from node_agent.journal import Entry, Journal
@@ -39,8 +40,6 @@ from node_agent.turns import Turns
 log = logging.getLogger(__name__)
 
 GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
-_TRUE = {"", "true", "1", "yes"}
-_FALSE = {"false", "0", "no"}
 METADATA_KIND = "node-agent.pod-checkpoint"
 # Manifest annotations (OCI): describe the checkpoint to registries and tools.
 ANNOTATION_PREFIX = "io.node-agent.checkpoint"
@@ -103,13 +102,7 @@ def parse_all_options(options: Mapping[str, str], *, defaults: bool = True) -> t
             raise errors.InvalidArgument(
                 f"unknown checkpoint option {key!r} (supported: {', '.join(SUPPORTED_OPTIONS)})"
             )
-        val = str(raw).strip().lower()
-        if val in _TRUE:
-            flag = True
-        elif val in _FALSE:
-            flag = False
-        else:
-            raise errors.InvalidArgument(f"checkpoint option {key!r}: expected true or false, got {raw!r}")
+        flag = boolean(raw, f"checkpoint option {key!r}")
         if key == "pre-dump":
             pre_dump = flag
         else:
@@ -117,12 +110,18 @@ def parse_all_options(options: Mapping[str, str], *, defaults: bool = True) -> t
     return CheckpointFlags(**values), pre_dump
 
 
-async def resolve_pod(cri: CriClient, ref: str) -> Pod:
-    """A pod by full sandbox ID, unique ID prefix, or namespace/name."""
+async def resolve_pod(cri: CriClient, ref: str, within: Callable[[str], bool] | None = None) -> Pod:
+    """A pod by full sandbox ID, unique ID prefix, or namespace/name.
+
+    `within`: only pods of the namespaces it accepts exist for this call (an
+    authorization scope): the others are neither found nor counted.
+    """
     ref = ref.strip()
     if not ref:
         raise errors.InvalidArgument("no pod given")
     pods = await cri.list_pods()
+    if within is not None:
+        pods = [p for p in pods if within(p.namespace)]
     if "/" in ref:
         ns, _, name = ref.partition("/")
         found = [p for p in pods if p.namespace == ns and p.name == name]

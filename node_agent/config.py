@@ -8,9 +8,11 @@ rejected. No I/O besides reading the config file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+from urllib.parse import urlsplit
 
 from node_agent.authz import Rule, parse_rules
 from node_agent.errors import InvalidArgument
@@ -86,17 +88,22 @@ class Devices:
     api_timeout: float = 10.0
 
 
-def parse_devices(value: Any) -> Devices:
-    """The `devices:` section; keys are the field names with dashes."""
+def _section_items(section: str, value: Any, cls: type) -> Iterator[tuple[dataclasses.Field[Any], str, Any]]:
+    """(field, "section.key", value) for each key of a config section; unknown keys are errors."""
     if not isinstance(value, Mapping):
-        raise InvalidArgument("config key 'devices' must be a mapping")
-    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(Devices)}
-    changes: dict[str, Any] = {}
+        raise InvalidArgument(f"config key {section!r} must be a mapping")
+    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
     for key, val in value.items():
         fld = fields.get(key) if isinstance(key, str) else None
         if fld is None:
-            raise InvalidArgument(f"unknown config key 'devices.{key}' (known: {', '.join(sorted(fields))})")
-        name = f"devices.{key}"
+            raise InvalidArgument(f"unknown config key '{section}.{key}' (known: {', '.join(sorted(fields))})")
+        yield fld, f"{section}.{key}", val
+
+
+def parse_devices(value: Any) -> Devices:
+    """The `devices:` section; keys are the field names with dashes."""
+    changes: dict[str, Any] = {}
+    for fld, name, val in _section_items("devices", value, Devices):
         if fld.type in ("bool", bool):
             if not isinstance(val, bool):
                 raise InvalidArgument(f"config key {name!r}: expected true or false, got {val!r}")
@@ -106,8 +113,8 @@ def parse_devices(value: Any) -> Devices:
                 raise InvalidArgument(f"config key {name!r}: expected a list of Xid numbers, got {val!r}")
             changes[fld.name] = tuple(val)
         elif fld.name == "clear_seconds" or fld.name == "temperature_margin":
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or val < 0:
-                raise InvalidArgument(f"config key {name!r}: expected a non-negative number, got {val!r}")
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
+                raise InvalidArgument(f"config key {name!r}: expected a finite non-negative number, got {val!r}")
             changes[fld.name] = float(val)
         elif fld.type in ("float", float):
             changes[fld.name] = _coerce(name, val, float)
@@ -123,6 +130,63 @@ def parse_devices(value: Any) -> Devices:
     if d.max_effect not in _EFFECTS:
         raise InvalidArgument(f"devices.max-effect must be one of {', '.join(_EFFECTS)}")
     return d
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """Pushes and pulls through OCI registries: deadlines, a minimum rate, token realms (docs/registry.md)."""
+
+    # Each request to a registry or its token server (its redirects, auth
+    # retries and body included) is over within this many seconds...
+    request_timeout: float = 60.0
+    # ...except a blob of N bytes, which may take max(request-timeout,
+    # N / min-rate): bytes per second a blob moves at, at least, on average.
+    min_rate: float = 65536.0
+    # Each socket operation (connect, TLS handshake, one send, one receive).
+    io_timeout: float = 30.0
+    # Token servers on other hosts than the registry's own that may get
+    # token requests and credentials, over HTTPS only: `host` (port 443) or
+    # `host:port`. Kept as `host:port`, lowercase.
+    token_realms: tuple[str, ...] = ()
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The `registry:` section that `parse_registry` reads back into these settings."""
+        return {
+            "request-timeout": self.request_timeout, "min-rate": self.min_rate,
+            "io-timeout": self.io_timeout, "token-realms": list(self.token_realms),
+        }
+
+
+def token_realm_host(value: Any, what: str = "registry.token-realms") -> str:
+    """`host`, `host:port`, `[v6]` or `[v6]:port` as `host:port` (port 443 when not given), lowercase."""
+    if (not isinstance(value, str) or not value or not value.isascii()
+            or any(c in "/?#@%\\" or not c.isprintable() or c.isspace() for c in value)):
+        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}")
+    try:
+        parts = urlsplit("https://" + value)
+        port = parts.port
+    except ValueError:
+        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}") from None
+    host = parts.hostname
+    if not host or port == 0:
+        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}")
+    return f"[{host}]:{port or 443}" if ":" in host else f"{host}:{port or 443}"
+
+
+def parse_registry(value: Any) -> RegistrySettings:
+    """The `registry:` section; keys are the field names with dashes."""
+    changes: dict[str, Any] = {}
+    for fld, name, val in _section_items("registry", value, RegistrySettings):
+        if fld.name == "token_realms":
+            if not isinstance(val, list):
+                raise InvalidArgument(f"config key {name!r}: expected a list of hosts, got {val!r}")
+            changes[fld.name] = tuple(dict.fromkeys(token_realm_host(v, name) for v in val))
+            continue
+        number = _coerce(name, val, float)
+        if not math.isfinite(number):
+            raise InvalidArgument(f"config key {name!r}: must be a finite number, got {val!r}")
+        changes[fld.name] = number
+    return dataclasses.replace(RegistrySettings(), **changes)
 
 
 @dataclass(frozen=True)
@@ -179,6 +243,7 @@ class Settings:
     devices: Devices = field(default_factory=Devices)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
+    registry: RegistrySettings = field(default_factory=RegistrySettings)
     # The YAML file these settings were read from ("" if none): not a key of
     # its own, it only lets messages name the file to pass again.
     config_file: str = ""
@@ -227,6 +292,7 @@ _PARSED: dict[str, tuple[str, Any]] = {
     "health-listen": ("health_listen", _listen_value),
     "metrics-listen": ("metrics_listen", _listen_value),
     "devices": ("devices", parse_devices),
+    "registry": ("registry", parse_registry),
 }
 _NOT_KEYS = {"config_file"}
 _TOP_KEYS = {
@@ -239,8 +305,8 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def _coerce(name: str, value: Any, want: type) -> Any:
     if want is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidArgument(f"config key {name!r}: expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidArgument(f"config key {name!r}: expected a finite number, got {value!r}")
         if value <= 0:
             raise InvalidArgument(f"config key {name!r}: must be positive, got {value!r}")
         return float(value)

@@ -125,7 +125,7 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     store = Store(s.store)
     from node_agent.registry.fetching import RemoteBlobs
 
-    store.fetcher = RemoteBlobs(store)  # chunks that lazy pulls left in their registries
+    store.fetcher = RemoteBlobs(store, settings=s.registry)  # chunks that lazy pulls left in their registries
     report = await asyncio.to_thread(store.recover)
     log.info("store at %s: %s", s.store, report)
     journal = Journal(s.journal_dir)

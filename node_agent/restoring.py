@@ -25,8 +25,8 @@ from criu_bridge import locks, rootfs
 from criu_bridge.errors import BridgeError, RuntimeFailure
 from criu_bridge.rpc import CriuClient
 from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
-from node_agent import errors, handler, hostaccess
-from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_progress, shm_source
+from node_agent import errors, handler, hostaccess, strictjson
+from node_agent.checkpointing import METADATA_KIND, Progress, ProgressFn, _no_progress, parse_options, shm_source
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.cri.client import normalized
@@ -37,6 +37,7 @@ from node_agent.lazy import pagemap
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.support import lazy_restore_support
 from node_agent.metrics import Metrics, instrumented
+from node_agent.options import boolean
 from node_agent.store import CheckpointRecord, Store
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,7 @@ def parse_restore_options(options: Mapping[str, str]) -> RestoreOptions:
             raise errors.InvalidArgument(
                 f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
             )
-        if value not in ("true", "false"):
-            raise errors.InvalidArgument(f"restore option {key!r}: expected true or false, got {value!r}")
-        values[key.replace("-", "_")] = value == "true"
+        values[key.replace("-", "_")] = boolean(value, f"restore option {key!r}")
     return RestoreOptions(**values)
 
 
@@ -126,9 +125,9 @@ def _read_json(store: Store, record: CheckpointRecord, path: str, limit: int = 1
             raise errors.DataLoss(f"checkpoint {cid}: {path} is larger than {limit} bytes")
         data = fh.read(fh.size)
     try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise errors.DataLoss(f"checkpoint {cid}: {path} is not valid JSON: {exc}") from exc
+        return strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise errors.DataLoss(f"checkpoint {cid}: {path} {exc}") from exc
 
 
 def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
@@ -165,7 +164,11 @@ def load_saved(store: Store, record: CheckpointRecord) -> _Saved:
     opts = meta.get("options") or {}
     if not isinstance(opts, Mapping):
         raise errors.DataLoss(f"checkpoint {record.id}: malformed options")
-    return _Saved(ns, name, pod_cfg, tuple(containers), tuple(sorted(k for k, v in opts.items() if v == "true")))
+    try:
+        flags = parse_options(opts)
+    except errors.InvalidArgument as exc:
+        raise errors.DataLoss(f"checkpoint {record.id}: its recorded options: {exc}") from exc
+    return _Saved(ns, name, pod_cfg, tuple(containers), tuple(sorted(flags.as_options())))
 
 
 def _schema(checkpoint_id: str, path: str, config: Mapping[str, Any], kind: str) -> dict[str, Any]:

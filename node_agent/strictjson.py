@@ -28,16 +28,39 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
 
 
-def loads(data: bytes) -> Any:
+MAX_DEPTH = 64  # far beyond any document the agent reads (a CRI config nests about 8 deep)
+
+
+def _depth_ok(doc: Any, limit: int) -> bool:
+    """Whether no object or array in `doc` lies deeper than `limit` (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def loads(data: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     """The document in ``data``; StrictJsonError ("is not UTF-8: ...", "is nested too deeply",
-    "is not valid JSON: ...") otherwise."""
+    "is not valid JSON: ...") otherwise. Objects and arrays may nest `max_depth` deep."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise StrictJsonError(f"is not UTF-8: {exc}") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
     except RecursionError:
         raise StrictJsonError("is nested too deeply") from None
     except ValueError as exc:
         raise StrictJsonError(f"is not valid JSON: {str(exc)[:200]}") from None
+    if not _depth_ok(doc, max_depth):
+        raise StrictJsonError(f"is nested more than {max_depth} deep")
+    return doc

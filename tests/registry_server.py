@@ -6,6 +6,13 @@ TLS (a fresh CA and a server certificate for 127.0.0.1, made with the
 ``openssl`` CLI) or token auth (a small token server on loopback that checks
 basic credentials and signs RS256 JWTs with a key whose certificate is the
 registry's ``rootcertbundle``). Use it as a context manager.
+
+With token auth the token server is, by default, on the registry's own
+origin, as in most real deployments: it listens on the registry's address,
+answers ``/token`` itself and forwards everything else to ``docker-registry``
+on a private loopback port (TLS, when asked for, ends there). The client
+asks a token realm elsewhere only when it is trusted (docs/registry.md), so
+``separate_token_server=True`` puts it on a port of its own instead.
 """
 
 from __future__ import annotations
@@ -14,18 +21,23 @@ import base64
 import http.client
 import json
 import socket
+import socketserver
 import ssl
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade",
+})
 SERVICE = "node-agent-test-registry"
 ISSUER = "node-agent-test-issuer"
 
@@ -111,7 +123,11 @@ class TokenServer:
     have on every repository (``{"pull", "push"}``); anonymous requests get a
     token with no access. ``poison`` > 0 makes that many next tokens carry a
     wrong issuer, which the registry rejects. ``issued`` lists
-    ``(user, scopes)`` of every token given out.
+    ``(user, scopes)`` of every token given out, ``requests`` the target
+    (path and query) and Authorization header of every request answered
+    here. With ``upstream`` set (a
+    port on 127.0.0.1), every request but ``/token`` is forwarded there: the
+    token server is then the front of a registry, on the registry's origin.
     """
 
     def __init__(
@@ -129,16 +145,28 @@ class TokenServer:
         self.expires_in = expires_in
         self.poison = 0
         self.issued: list[tuple[str, list[str]]] = []
+        self.requests: list[tuple[str, str | None]] = []
         self.refused = 0
+        self.upstream = 0
         self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def do_GET(self) -> None:
-                server._handle(self)
+                if urlsplit(self.path).path == "/token" or not server.upstream:
+                    server._handle(self)
+                else:
+                    server._forward(self)
+
+            def do_HEAD(self) -> None:
+                server._forward(self)
+
+            do_PUT = do_POST = do_PATCH = do_DELETE = do_HEAD
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
@@ -166,7 +194,40 @@ class TokenServer:
         handler.end_headers()
         handler.wfile.write(body)
 
+    def _forward(self, handler: BaseHTTPRequestHandler) -> None:
+        """The registry's answer to this request, read whole and passed on (bodies are small enough here)."""
+        if not self.upstream:
+            self._answer(handler, 404, {"error": "not found"})
+            return
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length) if length else None
+        headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
+        conn = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=60)
+        try:
+            conn.request(handler.command, handler.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            status, answer = resp.status, resp.getheaders()
+        except (OSError, http.client.HTTPException):
+            self._answer(handler, 502, {"error": "the registry behind the front did not answer"})
+            return
+        finally:
+            conn.close()
+        handler.send_response(status)
+        declared = str(len(data))
+        for name, value in answer:
+            if name.lower() == "content-length":
+                declared = value
+            elif name.lower() not in _HOP_BY_HOP and name.lower() not in ("server", "date"):
+                handler.send_header(name, value)
+        handler.send_header("Content-Length", declared if handler.command == "HEAD" else str(len(data)))
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(data)
+
     def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        with self._lock:
+            self.requests.append((handler.path, handler.headers.get("Authorization")))
         parts = urlsplit(handler.path)
         if parts.path != "/token":
             self._answer(handler, 404, {"error": "not found"})
@@ -223,8 +284,9 @@ class Registry:
 
     ``users`` (user -> password) turns on htpasswd basic auth, or with
     ``token=True`` token auth through a ``TokenServer`` (``grants``: user ->
-    actions; everyone gets pull and push by default). ``tls=True`` serves
-    HTTPS with a certificate from a fresh test CA (``ca_file``).
+    actions; everyone gets pull and push by default), on the registry's own
+    origin unless ``separate_token_server``. ``tls=True`` serves HTTPS with
+    a certificate from a fresh test CA (``ca_file``).
     """
 
     def __init__(
@@ -236,17 +298,21 @@ class Registry:
         token: bool = False,
         grants: Mapping[str, set[str]] | None = None,
         certs: Certificates | None = None,
+        separate_token_server: bool = False,
     ) -> None:
         self.workdir = workdir
         self.users = dict(users or {})
         self.tls = tls
         self.token = token
+        # The token server in front of docker-registry, which then listens on a private port.
+        self.fronted = token and not separate_token_server
         self.grants = dict(grants) if grants is not None else {u: {"pull", "push"} for u in self.users}
         self.root = workdir / "storage"
         self.log_path = workdir / "registry.log"
         self.certs = certs if certs is not None or not (tls or token) else Certificates(workdir / "certs")
         self.token_server: TokenServer | None = None
         self.port = 0
+        self._backend_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- addresses and client settings ----------------------------------------------------
@@ -294,7 +360,9 @@ class Registry:
         finally:
             conn.close()
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, *, backend: bool = False) -> http.client.HTTPConnection:
+        if backend and self.fronted:
+            return http.client.HTTPConnection("127.0.0.1", self._backend_port, timeout=10)
         if self.tls:
             assert self.certs is not None
             return http.client.HTTPSConnection("127.0.0.1", self.port, timeout=10, context=self.certs.client_context())
@@ -310,8 +378,10 @@ class Registry:
         self.stop()
 
     def _config(self) -> dict[str, object]:
-        http_section: dict[str, object] = {"addr": self.host, "secret": uuid.uuid4().hex}
-        if self.tls:
+        http_section: dict[str, object] = {"addr": f"127.0.0.1:{self._backend_port}", "secret": uuid.uuid4().hex}
+        if self.fronted:
+            http_section["relativeurls"] = True  # Locations that hold behind the front (and its TLS)
+        elif self.tls:
             assert self.certs is not None
             http_section["tls"] = {"certificate": self.certs.server_cert, "key": self.certs.server_key}
         config: dict[str, object] = {
@@ -378,7 +448,12 @@ class Registry:
             self.token_server = TokenServer(self.certs, self.users, self.grants, tls=self.tls)
             self.token_server.start()
         for _ in range(5):
-            self.port = _free_port()
+            self._backend_port = _free_port()
+            self.port = self._backend_port
+            if self.fronted:
+                assert self.token_server is not None
+                self.token_server.upstream = self._backend_port
+                self.port = self.token_server.port
             self._launch()
             if self._wait_ready():
                 return
@@ -395,7 +470,7 @@ class Registry:
             if self._proc.poll() is not None:
                 return False
             try:
-                conn = self._connection()
+                conn = self._connection(backend=True)
                 try:
                     conn.request("GET", "/v2/")
                     conn.getresponse().read()
@@ -429,3 +504,103 @@ class Registry:
         if self.token_server is not None:
             self.token_server.stop()
             self.token_server = None
+
+
+class FakeServer:
+    """A small HTTP/1.1 server on a loopback address playing a registry, a token server or a CDN.
+
+    ``serve(handler)`` answers every request (any method); ``seen`` records
+    each one as ``(method, target, headers)``, the target with its query.
+    ``stopping`` (given, or its own) is set when the server closes, so that
+    an answer that takes its time (``trickle``) ends with it. ``tls`` serves HTTPS with the test
+    CA's certificate for 127.0.0.1 and localhost; ``rcvbuf`` shrinks the
+    receive buffer of accepted connections (a peer that reads slowly).
+    """
+
+    def __init__(
+        self,
+        serve: Callable[[BaseHTTPRequestHandler], None],
+        *,
+        host: str = "127.0.0.1",
+        tls: Certificates | None = None,
+        rcvbuf: int = 0,
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.stopping = stopping or threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.seen.append((self.command, self.path, dict(self.headers.items())))
+                try:
+                    serve(self)
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLError):
+                    self.close_connection = True
+
+            do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def server_bind(self) -> None:
+                # Not HTTPServer's: it looks the address up in DNS (127.0.0.2 has no name).
+                if rcvbuf:
+                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = host, int(self.server_address[1])
+
+        self._httpd = Server((host, 0), Handler)
+        if tls is not None:
+            self._httpd.socket = tls.server_context().wrap_socket(self._httpd.socket, server_side=True)
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self.netloc = f"{host}:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-fake-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def answer(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
+    """A whole answer at once (no body for HEAD); Content-Length unless ``headers`` name one."""
+    handler.send_response(status)
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    if "Content-Length" not in (headers or {}):
+        handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command != "HEAD" and body:
+        handler.wfile.write(body)
+
+
+def head_bytes(status: int, headers: Mapping[str, str]) -> bytes:
+    """A status line and headers, as sent on the wire."""
+    reason = {200: "OK", 201: "Created", 202: "Accepted", 307: "Temporary Redirect", 401: "Unauthorized"}.get(status, "X")
+    lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+    return "\r\n".join(lines).encode("latin-1")
+
+
+def trickle(handler: BaseHTTPRequestHandler, data: bytes, stopping: threading.Event, *, rate: float, piece: int = 1) -> None:
+    """Write ``data`` in ``piece``-byte writes at ``rate`` bytes per second, until done, the peer goes, or ``stopping``."""
+    interval = piece / rate
+    for start in range(0, len(data), piece):
+        handler.wfile.write(data[start : start + piece])
+        if stopping.wait(interval):
+            break
+    handler.close_connection = True

@@ -7,6 +7,9 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
+import tempfile
+import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import grpc
@@ -191,12 +194,19 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         loop = asyncio.get_running_loop()
 
         async def run(progress: Callable[[Progress], None]) -> Any:
+            ended = threading.Event()
+
             def relay(p: Any) -> None:
+                if ended.is_set():  # the call is over: the transfer stops at its next step
+                    raise errors.Cancelled(f"the transfer of {ref} was cancelled")
                 loop.call_soon_threadsafe(progress, Progress(
                     p.phase, 0, 0, p.bytes_done, p.bytes_total,
                     f"{p.blobs_done}/{p.blobs_total} blobs, {p.skipped} already there",
                 ))
-            return await asyncio.to_thread(fn, relay)
+            try:
+                return await asyncio.to_thread(fn, relay)
+            finally:
+                ended.set()
 
         async for ev in self._stream(
             context, run,
@@ -218,7 +228,8 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
         def fn(progress: Callable[[Any], None]) -> Any:
             rec = store.get(request.checkpoint_id)
-            return registry.push(store, rec.id, request.reference, creds, progress=progress)
+            return registry.push(store, rec.id, request.reference, creds, progress=progress,
+                                 settings=self.settings.registry)
 
         async for ev in self._transfer(context, fn, request.reference):
             yield ev
@@ -240,7 +251,8 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             if defer is not None and isinstance(store.fetcher, RemoteBlobs) and creds.password:
                 # The password stays in memory, for the chunks fetched later.
                 store.fetcher.passwords[repository_key(request.reference)] = creds.password
-            return registry.pull(store, request.reference, creds, progress=progress, defer=defer)
+            return registry.pull(store, request.reference, creds, progress=progress, defer=defer,
+                                 settings=self.settings.registry)
 
         async for ev in self._transfer(context, fn, request.reference):
             yield ev
@@ -254,22 +266,90 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
         def fn() -> Any:
             rec = store.get(request.checkpoint_id)
-            return interop.export_container(store, rec.id, request.container, request.output_path)
+            return interop.export_container(store, rec.id, request.container, request.output_path,
+                                            compression=request.compression or None)
 
         report = await self._unary(context, fn)
         return pb.ExportResponse(output_path=request.output_path, size=int(getattr(report, "size", 0)))
+
+    async def ExportArchive(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ArchiveChunk]:
+        """The archive, written into the agent's own scratch space, then streamed and removed."""
+        from node_agent import interop
+
+        if request.output_path:
+            await abort_with(context, errors.InvalidArgument("ExportArchive streams the archive: give no output path"))
+        store, s = self.store, self.settings
+        scratch = await asyncio.to_thread(_scratch, s.work_dir, "export")
+        try:
+            path = os.path.join(scratch, "archive")
+
+            def fn() -> Any:
+                rec = store.get(request.checkpoint_id)
+                return interop.export_container(store, rec.id, request.container, path,
+                                                compression=request.compression or "none")
+
+            await self._unary(context, fn)
+            with open(path, "rb") as fh:
+                while True:
+                    data = await asyncio.to_thread(fh.read, ARCHIVE_CHUNK)
+                    if not data:
+                        break
+                    yield pb.ArchiveChunk(data=data)
+        finally:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, scratch, True))
+
+    async def ImportArchive(self, request_iterator: AsyncIterator[pb.ImportChunk], context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
+        """An archive streamed by the caller: kept in the agent's scratch space, within the free space, then imported."""
+        s = self.settings
+        header: pb.ImportRequest | None = None
+        scratch = await asyncio.to_thread(_scratch, s.work_dir, "import")
+        try:
+            path = os.path.join(scratch, "archive")
+            with open(path, "wb") as fh:
+                written = 0
+                async for chunk in request_iterator:
+                    if header is None:
+                        if chunk.WhichOneof("part") != "header" or chunk.header.input_path:
+                            await abort_with(context, errors.InvalidArgument(
+                                "ImportArchive: the first message is the header, without an input path"))
+                        header = chunk.header
+                        continue
+                    if chunk.WhichOneof("part") != "data":
+                        await abort_with(context, errors.InvalidArgument("ImportArchive: one header, then data"))
+                    written += len(chunk.data)
+                    if written % (64 << 20) < len(chunk.data):
+                        await asyncio.to_thread(_keep_free, scratch, s.min_free_bytes, written)
+                    await asyncio.to_thread(fh.write, chunk.data)
+            if header is None:
+                await abort_with(context, errors.InvalidArgument("ImportArchive: no header came"))
+                raise AssertionError("unreachable")
+            return await self._import(context, path, header)
+        except OSError as exc:
+            await abort_with(context, errors.ResourceExhausted(f"cannot keep the streamed archive: {exc.strerror}"))
+            raise
+        except errors.AgentError as exc:
+            await abort_with(context, exc)
+            raise
+        finally:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, scratch, True))
 
     async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
         from node_agent import interop
 
         if not os.path.isabs(request.input_path):
             await abort_with(context, errors.InvalidArgument("the input path must be absolute"))
+        return await self._import(context, request.input_path, request)
+
+    async def _import(self, context: grpc.aio.ServicerContext, path: str, request: pb.ImportRequest) -> pb.CheckpointInfo:
+        from node_agent import interop
+
         store = self.store
         s = self.settings
         rec = await self._unary(context, lambda: interop.import_archive(
-            store, request.input_path, namespace=request.namespace or None, name=request.name or None,
+            store, path, namespace=request.namespace or None, name=request.name or None,
             log_root=s.pod_log_root, cgroup_parent=s.cgroup_parent or None, runtime_handler=s.runtime_handler,
             kubelet_root=s.kubelet_root, criu=s.criu, work_dir=s.work_dir,
+            limits=interop.ImportLimits(min_free_bytes=s.min_free_bytes),
         ))
         return convert.checkpoint_info(rec)
 
@@ -293,10 +373,29 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             yield convert_devices.snapshot(snap)
 
 
+ARCHIVE_CHUNK = 1 << 20  # bytes per streamed archive message
+
+
+def _scratch(work_dir: str, kind: str) -> str:
+    """A private directory of the agent's scratch space (the caller names no path)."""
+    os.makedirs(work_dir, mode=0o700, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{kind}-", dir=work_dir)
+
+
+def _keep_free(directory: str, min_free: int, written: int) -> None:
+    """RESOURCE_EXHAUSTED when what a caller streams would leave less than `min_free` bytes free."""
+    st = os.statvfs(directory)
+    if st.f_bavail * st.f_frsize < min_free:
+        raise errors.ResourceExhausted(
+            f"the streamed archive ({written >> 20} MiB so far) would leave less than min-free-bytes "
+            f"({min_free >> 20} MiB) free under {directory}"
+        )
+
+
 def _creds(c: pb.RegistryCredentials) -> Any:
     from node_agent.registry import Credentials
 
     return Credentials(
-        username=c.username, password=c.password, ca_file=c.ca_file,
+        username=c.username, password=c.password, ca_file=c.ca_file, ca_pem=c.ca_pem,
         plain_http=c.plain_http, insecure_skip_verify=c.insecure_skip_verify,
     )

@@ -43,6 +43,7 @@ from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
 from node_agent.checkpointing import CheckpointRequest, Checkpointer, parse_all_options
 from node_agent.cri.client import to_json
+from node_agent.options import boolean
 from node_agent.restoring import (
     RestoreRequest, Restorer, check_host_access, load_saved, parse_restore_options, undo_restore,
 )
@@ -307,10 +308,14 @@ class CriEndpoint:
         if not os.path.isfile(os.path.join(path, "oci-layout")):
             raise errors.FailedPrecondition(f"checkpoint_path {path} holds no checkpoint written by CheckpointPod")
         source = await asyncio.to_thread(_open_store, path, Store)
-        records = await asyncio.to_thread(source.list)
+        records, problems = await asyncio.to_thread(source.scan)
         if len(records) != 1:
+            if problems and not records:
+                # The decisive reason, not only a count: the one checkpoint there is unreadable.
+                raise type(problems[0])(f"checkpoint_path {path}: {problems[0]}")
             raise errors.FailedPrecondition(
                 f"checkpoint_path {path} holds {len(records)} readable checkpoints; CheckpointPod writes exactly one"
+                + (f" (unreadable: {'; '.join(str(p) for p in problems[:3])})" if problems else "")
             )
         record = records[0]
         saved = await asyncio.to_thread(load_saved, source, record)
@@ -396,12 +401,10 @@ class CriEndpoint:
         where = f"{meta.namespace}/{meta.name}"
         tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
         try:
-            allow = req.config.annotations.get(ALLOW_HOST_ACCESS, "false")
-            if allow not in ("true", "false"):
-                raise errors.InvalidArgument(f"annotation {ALLOW_HOST_ACCESS}: expected true or false, got {allow!r}")
+            allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
             record = await self._resolve_checkpoint(ref.strip(), where)
             saved = await asyncio.to_thread(load_saved, self.store, record)
-            check_host_access(record.id, saved, self.settings, allowed=allow == "true")
+            check_host_access(record.id, saved, self.settings, allowed=allow)
             await self.restorer.preflight(record, saved)
             await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
@@ -443,7 +446,7 @@ class CriEndpoint:
                 raise errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store") from exc
         from node_agent.registry import Credentials, pull
 
-        report = await asyncio.to_thread(pull, self.store, ref, Credentials(), timeout=self.settings.timeouts.cri_call)
+        report = await asyncio.to_thread(lambda: pull(self.store, ref, Credentials(), settings=self.settings.registry))
         return await asyncio.to_thread(self.store.get, report.checkpoint_id)
 
     async def create_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:

@@ -18,7 +18,9 @@ from node_agent import authz, errors
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.health import add_operability, serve_health, set_not_serving
-from node_agent.api.security import AuthorizedServicer, CertificateFiles, LocalSocketGate, group_id, private_dir, tls_port
+from node_agent.api.security import (
+    AuthorizedServicer, CertificateFiles, GroupServicer, LocalSocketGate, group_id, private_dir, tls_port,
+)
 from node_agent.config import Settings, host_port
 from node_agent.metrics import Metrics, serve_metrics
 
@@ -34,7 +36,12 @@ class Listeners:
         self.metrics = metrics
         self.directory = private_dir(settings.store)
         self.backend = os.path.join(self.directory, "api.sock")
-        self.gate = LocalSocketGate(settings.socket, self.backend, self.directory, group_id(settings.socket_group))
+        gid = group_id(settings.socket_group)
+        # Members of the socket group reach a server of their own: the API without the
+        # forms that name paths on the node (`GroupServicer`).
+        self.group_backend = os.path.join(self.directory, "group.sock") if gid is not None else ""
+        self.group: grpc.aio.Server | None = None
+        self.gate = LocalSocketGate(settings.socket, self.backend, self.directory, gid, self.group_backend)
         self.tls: grpc.aio.Server | None = None
         self.tls_port = 0
         self.health: grpc.aio.Server | None = None
@@ -63,6 +70,14 @@ class Listeners:
 
     async def _start(self) -> None:
         s = self.settings
+        if self.group_backend:
+            self.group = grpc.aio.server(options=SERVER_OPTIONS)
+            pb_grpc.add_NodeAgentServicer_to_server(GroupServicer(self.servicer), self.group)  # type: ignore[no-untyped-call]
+            self._health_servicers.append(await add_operability(self.group))
+            if os.path.exists(self.group_backend):
+                os.unlink(self.group_backend)
+            self.group.add_insecure_port("unix://" + self.group_backend)
+            await self.group.start()
         await self.gate.start()
         log.info("serving on unix://%s", s.socket)
         if self.files is not None:
@@ -98,6 +113,8 @@ class Listeners:
         stops = [server.stop(grace)]
         if self.tls is not None:
             stops.append(self.tls.stop(grace))
+        if self.group is not None:
+            stops.append(self.group.stop(grace))
         await asyncio.gather(*stops)
         await self.gate.close()
         if self.health is not None:

@@ -27,6 +27,7 @@ import ssl
 import struct
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
@@ -39,6 +40,9 @@ from node_agent.api.agent import AgentServicer, abort_with
 from node_agent.checkpointing import resolve_pod
 
 log = logging.getLogger(__name__)
+
+# A refused local-socket caller is logged at most this often (seconds), per uid.
+REFUSAL_LOG_INTERVAL = 60.0
 
 # ---- certificates ----------------------------------------------------------------
 
@@ -176,20 +180,35 @@ class AuthorizedServicer(pb_grpc.NodeAgentServicer):
         log.warning("refused %s to %s in %s", method, who, where, extra={"phase": "authorize"})
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} may not call {method} for {where}")
 
+    def _scope(self, who: authz.Identity, method: str) -> Any:
+        """The namespaces `who` may call `method` for, as a predicate (None: every one)."""
+        allowed = self.policy.namespaces(who, method)
+        if authz.ANY in allowed:
+            return None
+        return lambda namespace: namespace in allowed
+
     async def _checkpoint(self, context: grpc.aio.ServicerContext, who: authz.Identity, method: str, ref: str) -> Any:
-        """The checkpoint `ref` names, once `who` may call `method` for its pod's namespace."""
+        """The checkpoint `ref` names among those of the namespaces `who` may call `method` for.
+
+        Resolved within the caller's scope: a checkpoint of another namespace
+        is not found, exactly as one that does not exist (no existence oracle).
+        """
+        scope = self._scope(who, method)
+        within = None if scope is None else (lambda rec: scope(_namespace_of(rec)))
         try:
-            rec = await asyncio.to_thread(self.inner.store.get, ref)
+            return await asyncio.to_thread(lambda: self.inner.store.get(ref, within=within))
         except Exception as exc:  # noqa: BLE001 - mapped right here
             await abort_with(context, exc)
             raise
-        await self._check(context, who, method, _namespace_of(rec))
-        return rec
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CheckpointEvent]:
         who = await self._caller(context, "Checkpoint")
+        ref = request.pod.strip()
+        if "/" in ref:
+            # namespace/name: the namespace is the caller's to name, checked before anything is looked up.
+            await self._check(context, who, "Checkpoint", ref.partition("/")[0])
         try:
-            pod = await resolve_pod(self.inner.checkpointer.cri, request.pod)
+            pod = await resolve_pod(self.inner.checkpointer.cri, request.pod, self._scope(who, "Checkpoint"))
         except Exception as exc:  # noqa: BLE001 - mapped right here
             await abort_with(context, exc)
             raise
@@ -202,9 +221,9 @@ class AuthorizedServicer(pb_grpc.NodeAgentServicer):
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RestoreEvent]:
         who = await self._caller(context, "Restore")
-        rec = await self._checkpoint(context, who, "Restore", request.checkpoint_id)
         if request.namespace:
             await self._check(context, who, "Restore", request.namespace)
+        rec = await self._checkpoint(context, who, "Restore", request.checkpoint_id)
         pinned = pb.RestoreRequest()
         pinned.CopyFrom(request)
         pinned.checkpoint_id = rec.id
@@ -282,6 +301,75 @@ class AuthorizedServicer(pb_grpc.NodeAgentServicer):
         # Without a target namespace the archive's own decides.
         await self._check(context, who, "Import", request.namespace or authz.ANY)
         return await self.inner.Import(request, context)
+
+    async def ExportArchive(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ArchiveChunk]:
+        who = await self._caller(context, "Export")
+        rec = await self._checkpoint(context, who, "Export", request.checkpoint_id)
+        pinned = pb.ExportRequest()
+        pinned.CopyFrom(request)
+        pinned.checkpoint_id = rec.id
+        async for chunk in self.inner.ExportArchive(pinned, context):
+            yield chunk
+
+    async def ImportArchive(self, request_iterator: AsyncIterator[pb.ImportChunk], context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
+        who = await self._caller(context, "Import")
+        first = await anext(aiter(request_iterator), None)
+        namespace = first.header.namespace if first is not None and first.WhichOneof("part") == "header" else ""
+        await self._check(context, who, "Import", namespace or authz.ANY)
+        return await self.inner.ImportArchive(_chain(first, request_iterator), context)
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+class GroupServicer:
+    """The agent's API for members of the local socket's group: everything but naming paths on the node.
+
+    The daemon runs as root; a path a caller names would be opened with
+    root's permissions (an export into a root-only directory, an import of a
+    root-only file). Group members stream archives instead (ExportArchive,
+    ImportArchive, which the CLI uses) and hand a registry's CA as its
+    contents, and checkpoint and restore as root does.
+    """
+
+    def __init__(self, inner: AgentServicer) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def Export(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> pb.ExportResponse:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _PATHS_ROOT_ONLY.format(what=f"write {request.output_path}"))
+        raise AssertionError("unreachable")
+
+    async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _PATHS_ROOT_ONLY.format(what=f"read {request.input_path}"))
+        raise AssertionError("unreachable")
+
+    async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
+        await _no_ca_path(request.credentials, context)
+        async for ev in self.inner.Push(request, context):
+            yield ev
+
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
+        await _no_ca_path(request.credentials, context)
+        async for ev in self.inner.Pull(request, context):
+            yield ev
+
+
+_PATHS_ROOT_ONLY = ("a member of the socket group may not have the agent {what} (it would do so as root); "
+                    "`node-agent export` and `node-agent import` stream the archive through the socket instead")
+
+
+async def _no_ca_path(creds: pb.RegistryCredentials, context: grpc.aio.ServicerContext) -> None:
+    if creds.ca_file:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, (
+            f"a member of the socket group may not have the agent read {creds.ca_file} (it would do so as root); "
+            "the CLI sends the CA file's contents instead"))
 
 
 def tls_port(server: grpc.aio.Server, listen: str, files: CertificateFiles) -> int:
@@ -381,16 +469,33 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 
 class LocalSocketGate:
-    """The local API socket: root and members of `gid` are relayed to `backend`; others are refused."""
+    """The local API socket: root is relayed to `backend`, members of `gid` to `group_backend` (the API
+    without path forms, `GroupServicer`); others are refused."""
 
-    def __init__(self, path: str, backend: str, directory: str, gid: int | None) -> None:
+    def __init__(self, path: str, backend: str, directory: str, gid: int | None, group_backend: str = "") -> None:
         self.path = path
         self.backend = backend
+        self.group_backend = group_backend or backend
         self.refuse_path = os.path.join(directory, "refuse.sock")
         self.gid = gid
         self._server: asyncio.Server | None = None
         self._refuser: grpc.aio.Server | None = None
+        self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, refused since)
         self._relays: set[asyncio.Task[Any]] = set()
+
+    def _log_refusal(self, peer: PeerCredentials) -> None:
+        """A WARNING per uid at most every `REFUSAL_LOG_INTERVAL` seconds, saying how many went unlogged."""
+        now = time.monotonic()
+        last, quiet = self._refusals.get(peer.uid, (-REFUSAL_LOG_INTERVAL, 0))
+        if now - last < REFUSAL_LOG_INTERVAL:
+            self._refusals[peer.uid] = (last, quiet + 1)
+            return
+        if len(self._refusals) >= 4096:
+            self._refusals.clear()
+        self._refusals[peer.uid] = (now, 0)
+        more = f" ({quiet} more refused in the last {REFUSAL_LOG_INTERVAL:g}s)" if quiet else ""
+        log.warning("refused the local socket to uid %d (pid %d)%s", peer.uid, peer.pid, more,
+                    extra={"phase": "authorize"})
 
     def admits(self, peer: PeerCredentials) -> bool:
         if peer.uid == 0:
@@ -418,9 +523,9 @@ class LocalSocketGate:
         self._relays.add(task)
         try:
             peer = peer_credentials(writer.get_extra_info("socket"))
-            target = self.backend
+            target = self.backend if peer.uid == 0 else self.group_backend
             if not self.admits(peer):
-                log.warning("refused the local socket to uid %d (pid %d)", peer.uid, peer.pid, extra={"phase": "authorize"})
+                self._log_refusal(peer)
                 target = self.refuse_path
             try:
                 async with asyncio.timeout(10):

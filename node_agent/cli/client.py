@@ -24,7 +24,8 @@ class CliError(Exception):
 
 
 def socket_path(flag: str | None) -> str:
-    return flag or os.environ.get(ENV_SOCKET) or Settings().socket
+    """The daemon's socket: the flag, else $NODE_AGENT_SOCKET, else the default; relative to the current directory."""
+    return os.path.abspath(flag or os.environ.get(ENV_SOCKET) or Settings().socket)
 
 
 @dataclass(frozen=True)

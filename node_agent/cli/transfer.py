@@ -10,7 +10,7 @@ from typing import Any
 
 from node_agent.cli import output
 from node_agent.cli.checkpoints import stream_result
-from node_agent.cli.client import Client, pb
+from node_agent.cli.client import CliError, Client, pb
 
 ENV_USER = "NODE_AGENT_REGISTRY_USERNAME"
 ENV_PASSWORD = "NODE_AGENT_REGISTRY_PASSWORD"
@@ -23,9 +23,16 @@ def _credentials(args: argparse.Namespace) -> Any:
     username = args.username or os.environ.get(ENV_USER, "")
     if username and not password and sys.stdin.isatty():
         password = getpass.getpass(f"password for {username}: ")
-    ca = os.path.abspath(args.ca_file) if args.ca_file else ""
+    ca = ""
+    if args.ca_file:
+        # Read here, with the caller's permissions: the daemon opens no path the caller names.
+        try:
+            with open(args.ca_file, encoding="utf-8", errors="replace") as fh:
+                ca = fh.read(1 << 20)
+        except OSError as exc:
+            raise CliError(f"--ca-file {args.ca_file}: {exc.strerror}", 2) from None
     return pb.RegistryCredentials(
-        username=username, password=password, ca_file=ca,
+        username=username, password=password, ca_pem=ca,
         plain_http=args.plain_http, insecure_skip_verify=args.insecure_skip_verify,
     )
 
@@ -58,17 +65,59 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """The archive comes through the socket; this process writes it, with the caller's own permissions."""
+    from node_agent.interop.exporting import compression_for
+
     out = os.path.abspath(args.output_file)
-    with Client.of(args) as c:
-        r = c.call("Export", pb.ExportRequest(checkpoint_id=args.id, container=args.container, output_path=out), timeout=args.timeout)
-    sys.stdout.write(f"{r.output_path}\n")
+    directory, base = os.path.split(out)
+    if os.path.lexists(out):
+        raise CliError(f"{out} exists", 1)
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror}", 1) from None
+    done = False
+    try:
+        with os.fdopen(fd, "wb") as fh, Client.of(args) as c:
+            req = pb.ExportRequest(checkpoint_id=args.id, container=args.container, compression=compression_for(out))
+            for chunk in c.stream("ExportArchive", req, timeout=args.timeout):
+                fh.write(chunk.data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, out)  # never over a file that appeared meanwhile
+        done = True
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror}", 1) from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    if done:
+        sys.stdout.write(f"{out}\n")
     return 0
 
 
+def _archive_chunks(fh: Any, header: Any) -> Any:
+    yield pb.ImportChunk(header=header)
+    while True:
+        data = fh.read(1 << 20)
+        if not data:
+            return
+        yield pb.ImportChunk(data=data)
+
+
 def cmd_import(args: argparse.Namespace) -> int:
+    """This process reads the archive, with the caller's own permissions, and streams it through the socket."""
     path = os.path.abspath(args.archive)
-    with Client.of(args) as c:
-        info = c.call("Import", pb.ImportRequest(input_path=path, namespace=args.namespace or "", name=args.name or ""), timeout=args.timeout)
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}", 1) from None
+    header = pb.ImportRequest(namespace=args.namespace or "", name=args.name or "")
+    with fh, Client.of(args) as c:
+        info = c.call("ImportArchive", _archive_chunks(fh, header), timeout=args.timeout)
     if args.output == "json":
         output.emit(output.checkpoint_dict(info), "json")
     else:

@@ -135,8 +135,11 @@ def _members(record: CheckpointRecord, container: str) -> list[tuple[str, str, A
         out.append((arc, entry.path, entry))
     if not any(a == c.CONFIG_DUMP for a, _, _ in out) or not any(a == c.SPEC_DUMP for a, _, _ in out):
         raise errors.DataLoss(f"checkpoint {record.id}: container {container} has no config.dump or spec.dump")
-    # Parents before children; a directory's own entry before what is in it.
-    out.sort(key=lambda item: item[0].split("/"))
+    # The small documents an import needs first (after the manifest, which
+    # export_container writes before everything), then the rest: parents
+    # before children, a directory's own entry before what is in it.
+    lead = {name: i for i, name in enumerate(c.LEAD_MEMBERS)}
+    out.sort(key=lambda item: (lead.get(item[0], len(lead)), item[0].split("/")))
     return out
 
 
@@ -208,18 +211,13 @@ def export_container(
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             with _compressed(raw, compression) as out:
                 tw = TarWriter(out, mtime=_mtime(record.created))
-                own_written = False
+                tw.add_bytes(c.OWN_MANIFEST, 0o600, manifest)
                 for arc, spath, entry in members:
-                    if not own_written and arc.split("/") > c.OWN_MANIFEST.split("/"):
-                        tw.add_bytes(c.OWN_MANIFEST, 0o600, manifest)
-                        own_written = True
                     if entry.type == "dir":
                         tw.add_dir(arc, entry.mode)
                         continue
                     with store.open(record.id, spath) as fh:
                         tw.add_file(arc, entry.mode, fh.size, fh)
-                if not own_written:
-                    tw.add_bytes(c.OWN_MANIFEST, 0o600, manifest)
                 tw.close()
             raw.flush()
             os.fsync(raw.fileno())

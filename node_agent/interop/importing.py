@@ -1,17 +1,26 @@
 """A container checkpoint archive, read as hostile input, stored as a pod checkpoint.
 
-One pass over the archive (plain, gzip or zstd, told apart by their magic
-bytes) with `tarfmt.TarReader`. Every member name is checked (UTF-8, no NUL,
-not absolute, no "..", bounded) and every kind: symlinks, device nodes and
+The archive (plain, gzip or zstd, told apart by their magic bytes) is read
+with `tarfmt.TarReader`. Every member name is checked (UTF-8, no NUL, not
+absolute, no "..", bounded) and every kind: symlinks, device nodes and
 FIFOs are refused, a hardlink is accepted only to a regular file earlier in
 the same archive (it becomes a copy), duplicates and files used as
 directories are refused, and the member count, each size and the total are
 bounded (`ImportLimits`). Member content is written to flat, numbered files
 (`m<n>`) in a private staging directory under the store's work area,
 created with O_EXCL|O_NOFOLLOW relative to that directory's descriptor:
-archive names never become filesystem paths. Then the staged files go into a
+archive names never become filesystem paths. Every write into it is counted
+first (`_Meter`): against the bounds, and against the filesystem's free
+space, which must keep `min_free_bytes`. Then the staged files go into a
 store writer under the store paths that `checkpointing.py` uses, and the
 staging directory is removed.
+
+Required members first (`_Pass`): until config.dump and spec.dump have come,
+at most `max_staged_before_required` bytes are staged. An archive that puts
+more in front of them (CRI-O and containerd put CRIU's images there) is
+looked ahead in, headers only, nothing staged; it fails at its end if they
+never come, and is read once more from the start, staging everything, when
+they do. So a decompression bomb without them never reaches the disk.
 
 Two kinds of archive:
 
@@ -32,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -49,6 +59,7 @@ from typing import Any
 
 import zstandard
 
+from criu_bridge import tarstream
 from node_agent import errors, hostaccess
 from node_agent.checkpointing import METADATA_KIND, manifest_annotations, parse_options
 from node_agent.interop import common as c
@@ -74,7 +85,7 @@ class _Staged:
     kind: str  # tarfmt.FILE or tarfmt.DIR
     mode: int
     size: int
-    name: str | None  # staging file; None for directories and content not kept
+    name: str | None  # staging file; None for directories and content not kept; "" while looking ahead
 
 
 class _Staging:
@@ -112,15 +123,10 @@ class _Staging:
         finally:
             os.close(fd)
 
-    def write(self, data: bytes) -> str:
-        name, fd = self.create()
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        return name
+    def reset(self) -> None:
+        """Remove every staged file (the archive is read again from its start)."""
+        for name in os.listdir(self.fd):
+            os.unlink(name, dir_fd=self.fd)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -128,12 +134,79 @@ class _Staging:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of `fd`."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
+class _Meter:
+    """Every byte bound for staging, counted before it is written: against the bounds and the free space.
+
+    The staging filesystem's free space is read (fstatvfs) at each member's
+    header, and again before more than `free_check_bytes` have been written
+    since the last look, so `min_free_bytes` stay free even while something
+    else fills the disk.
+    """
+
+    def __init__(self, fd: int, where: str, limits: c.ImportLimits, bounds: c.StagingBounds) -> None:
+        self._fd = fd
+        self._where = where
+        self._min_free = limits.min_free_bytes
+        self._every = limits.free_check_bytes
+        self._bounds = bounds
+        self.staged = 0  # bytes in staging now
+        self._credit = 0  # bytes that may be written before the free space is read again
+
+    def reset(self) -> None:
+        self.staged = 0
+        self._credit = 0
+
+    def _room(self) -> tuple[int, int]:
+        free = _free_bytes(self._fd)
+        return free, free - self._min_free
+
+    def admit(self, shown: str, size: int) -> None:
+        """Before a member's content: all of it must fit."""
+        if not size:
+            return
+        if self.staged + size > self._bounds.total_bytes:
+            raise errors.ResourceExhausted(
+                f"tar member {shown}: staging its {size} bytes would pass the limit of "
+                f"{self._bounds.total_bytes} ({self._bounds.total_name()})"
+            )
+        free, room = self._room()
+        if room < size:
+            raise errors.ResourceExhausted(
+                f"tar member {shown}: staging its {size} bytes would leave less than "
+                f"min_free_bytes={self._min_free} free under {self._where} ({free} bytes free)"
+            )
+        self._credit = min(room, self._every)
+
+    def charge(self, shown: str, n: int, done: int, size: int) -> None:
+        """Before `n` more bytes of a member of `size` bytes, `done` of them already staged."""
+        if self.staged + n > self._bounds.total_bytes:
+            raise errors.ResourceExhausted(
+                f"tar member {shown}: staging more than {done} of its {size} bytes would pass the limit of "
+                f"{self._bounds.total_bytes} ({self._bounds.total_name()})"
+            )
+        if n > self._credit:
+            free, room = self._room()
+            if room < n:
+                raise errors.ResourceExhausted(
+                    f"tar member {shown}: staging more than {done} of its {size} bytes would leave less than "
+                    f"min_free_bytes={self._min_free} free under {self._where} ({free} bytes free)"
+                )
+            self._credit = min(room, max(self._every, n))
+        self._credit -= n
+        self.staged += n
+
+
 class _Stream:
     """A decompressing reader whose format errors are InvalidArgument."""
 
-    def __init__(self, inner: Any, raw: Any, what: str) -> None:
+    def __init__(self, inner: Any, what: str) -> None:
         self._inner = inner
-        self._raw = raw
         self._what = what
 
     def read(self, n: int = -1) -> bytes:
@@ -148,34 +221,68 @@ class _Stream:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._inner.close()
+
+
+class _Archive:
+    """The archive file, opened once; `reader()` reads it from its start, as often as the import needs."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise errors.NotFound(f"archive {path} not found") from exc
+            raise errors.InvalidArgument(f"cannot open archive {path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise errors.InvalidArgument(f"archive {path} is not a regular file")
+            os.set_blocking(fd, True)
+            raw = io.BufferedReader(io.FileIO(fd, "rb"), 1 << 20)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._raw = raw
+        self._stream: _Stream | None = None
+        self.size = st.st_size  # never read past this, even if the file grows
+        head = raw.peek(8)[:8]
+        if head.startswith(b"\x1f\x8b"):
+            self.compression = "gzip"
+        elif head.startswith(b"\x28\xb5\x2f\xfd"):
+            self.compression = "zstd"
+        elif head.startswith(b"BZh") or head.startswith(_XZ_MAGIC):
+            raw.close()
+            raise errors.InvalidArgument(
+                f"archive {path}: bzip2 and xz are not supported (use a plain, gzip or zstd tar)"
+            )
+        else:
+            self.compression = "none"
+
+    def reader(self, bounds: c.StagingBounds) -> tarfmt.TarReader:
+        """A tar reader from the archive's first byte."""
+        self._end_stream()
+        source: tarstream.FileSource | _Stream
+        if self.compression == "none":
+            # Read by offset: what is skipped is not read at all.
+            source = tarstream.FileSource(self._raw.fileno(), self.size)
+            return tarfmt.TarReader(source, max_member_bytes=bounds.member_bytes, member_limit=bounds.member_name())
+        self._raw.seek(0)
+        if self.compression == "gzip":
+            inner: Any = gzip.GzipFile(fileobj=self._raw, mode="rb")
+        else:
+            dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+            inner = dctx.stream_reader(self._raw, read_across_frames=True, closefd=False)
+        self._stream = source = _Stream(inner, self.compression)
+        return tarfmt.TarReader(source, max_member_bytes=bounds.member_bytes, member_limit=bounds.member_name())
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        self._end_stream()
         self._raw.close()
-
-
-def _open_archive(path: str) -> tuple[_Stream, str]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            raise errors.NotFound(f"archive {path} not found") from exc
-        raise errors.InvalidArgument(f"cannot open archive {path}: {exc.strerror}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise errors.InvalidArgument(f"archive {path} is not a regular file")
-        os.set_blocking(fd, True)
-        raw = io.BufferedReader(io.FileIO(fd, "rb"), 1 << 20)
-    except BaseException:
-        os.close(fd)
-        raise
-    head = raw.peek(8)[:8]
-    if head.startswith(b"\x1f\x8b"):
-        return _Stream(gzip.GzipFile(fileobj=raw, mode="rb"), raw, "gzip"), "gzip"
-    if head.startswith(b"\x28\xb5\x2f\xfd"):
-        dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-        return _Stream(dctx.stream_reader(raw, read_across_frames=True), raw, "zstd"), "zstd"
-    if head.startswith(b"BZh") or head.startswith(_XZ_MAGIC):
-        raw.close()
-        raise errors.InvalidArgument(f"archive {path}: bzip2 and xz are not supported (use a plain, gzip or zstd tar)")
-    return _Stream(raw, raw, "tar"), "none"
 
 
 def _normalize(raw: bytes, limits: c.ImportLimits, what: str = "tar member") -> str | None:
@@ -206,84 +313,187 @@ def _keep_member(path: str) -> bool:
     return path.split("/", 1)[0] not in IGNORED_TOP
 
 
-def _read_members(stream: _Stream, staging: _Staging, limits: c.ImportLimits) -> dict[str, _Staged]:
-    reader = tarfmt.TarReader(stream, max_member_bytes=limits.max_member_bytes)
-    entries: dict[str, _Staged] = {}
-    parents: set[str] = set()  # every directory some member lies in
-    count = total = 0
-    while True:
-        m = reader.next()
-        if m is None:
-            break
-        count += 1
-        if count > limits.max_members:
-            raise errors.ResourceExhausted(f"the archive has more than {limits.max_members} members")
-        path = _normalize(m.name, limits)
-        if path is None:
-            if m.kind == tarfmt.DIR:
-                continue
-            raise errors.InvalidArgument("tar member with an empty name")
-        shown = repr(path[:200])
-        if path in entries:
-            raise errors.InvalidArgument(f"tar member {shown} appears twice")
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            above = entries.get("/".join(parts[:i]))
-            if above is not None and above.kind != tarfmt.DIR:
-                raise errors.InvalidArgument(f"tar member {shown} lies under a member that is not a directory")
-        if m.kind != tarfmt.DIR and path in parents:
-            raise errors.InvalidArgument(f"tar member {shown} is a {m.kind}, but earlier members lie inside it")
-        if m.kind in (tarfmt.CHARDEV, tarfmt.BLOCKDEV, tarfmt.FIFO):
-            raise errors.InvalidArgument(f"tar member {shown} is a {m.kind}; device nodes and FIFOs are not allowed")
-        if m.kind == tarfmt.SYMLINK:
-            target = m.linkname[:200].decode("utf-8", "backslashreplace")
-            raise errors.InvalidArgument(f"tar member {shown} is a symlink (to {target!r}); symlinks are not allowed")
-        for i in range(1, len(parts)):
-            parents.add("/".join(parts[:i]))
-        if m.kind == tarfmt.HARDLINK:
-            target_path = _normalize(m.linkname, limits, f"hardlink target of {shown}")
-            src = entries.get(target_path or "")
-            if src is None or src.kind != tarfmt.FILE:
+# The small documents every archive must have, whatever its kind; node-agent's
+# own (its manifest came) must have its pod config as well.
+_REQUIRED = (c.CONFIG_DUMP, c.SPEC_DUMP)
+_REQUIRED_OWN = (c.OWN_POD_CONFIG,)
+
+
+def _fingerprint(m: tarfmt.Member) -> bytes:
+    """What the second read of an archive must find again, member for member."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (m.name, m.kind.encode(), b"%d" % m.size, m.linkname):
+        h.update(b"%d:" % len(part))
+        h.update(part)
+    return h.digest()
+
+
+class _Pass:
+    """One read of the archive: every header checked, content staged or, while looking ahead, skipped.
+
+    `bounded`: until the required documents have come, at most
+    `max_staged_before_required` bytes are staged; a member that would pass
+    that stops the staging (what was staged is removed) and the pass looks
+    ahead, reading headers only, until the documents have come (`again`:
+    read the archive once more, staging all) or the archive ends without
+    them (InvalidArgument). `expect`: the fingerprints the first pass took,
+    which this one must find again.
+    """
+
+    def __init__(self, staging: _Staging, meter: _Meter, limits: c.ImportLimits, bounds: c.StagingBounds, *,
+                 bounded: bool, expect: list[bytes] | None = None) -> None:
+        self.staging = staging
+        self.meter = meter
+        self.limits = limits
+        self.bounds = bounds
+        self.expect = expect
+        self.entries: dict[str, _Staged] = {}
+        self.prints: list[bytes] = []  # fingerprints of the members read so far
+        self.count = 0  # members read
+        self.writing = True
+        self.lifted = not bounded  # the required documents came while staging: no bound in front of them
+        self.again = False
+
+    def missing(self) -> list[str]:
+        need = _REQUIRED + (_REQUIRED_OWN if c.OWN_MANIFEST in self.entries else ())
+        return [p for p in need if not (p in self.entries and self.entries[p].kind == tarfmt.FILE)]
+
+    def run(self, reader: tarfmt.TarReader) -> None:
+        limits = self.limits
+        entries = self.entries
+        parents: set[str] = set()  # every directory some member lies in
+        total = 0
+        before = 0  # bytes staged while required documents were still to come
+        while True:
+            m = reader.next()
+            if m is None:
+                break
+            self.count += 1
+            count = self.count
+            if count > limits.max_members:
+                raise errors.ResourceExhausted(f"the archive has more than {limits.max_members} members (max_members)")
+            fp = _fingerprint(m)
+            if self.expect is not None:
+                if count <= len(self.expect) and fp != self.expect[count - 1]:
+                    raise errors.InvalidArgument(
+                        "the archive changed while it was read (its members differ between two reads)"
+                    )
+            else:
+                self.prints.append(fp)
+            path = _normalize(m.name, limits)
+            if path is None:
+                if m.kind == tarfmt.DIR:
+                    continue
+                raise errors.InvalidArgument("tar member with an empty name")
+            shown = repr(path[:200])
+            if path in entries:
+                raise errors.InvalidArgument(f"tar member {shown} appears twice")
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                above = entries.get("/".join(parts[:i]))
+                if above is not None and above.kind != tarfmt.DIR:
+                    raise errors.InvalidArgument(f"tar member {shown} lies under a member that is not a directory")
+            if m.kind != tarfmt.DIR and path in parents:
+                raise errors.InvalidArgument(f"tar member {shown} is a {m.kind}, but earlier members lie inside it")
+            if m.kind in (tarfmt.CHARDEV, tarfmt.BLOCKDEV, tarfmt.FIFO):
                 raise errors.InvalidArgument(
-                    f"tar member {shown} is a hardlink to something other than a regular file earlier in the archive"
+                    f"tar member {shown} is a {m.kind}; device nodes and FIFOs are not allowed"
                 )
-            if src.name is None and _keep_member(path):
-                raise errors.InvalidArgument(f"tar member {shown} is a hardlink to a member that is not kept")
-            entries[path] = _Staged(tarfmt.FILE, m.mode, src.size, src.name)
-            continue
-        if m.kind == tarfmt.DIR:
-            entries[path] = _Staged(tarfmt.DIR, m.mode, 0, None)
-            continue
-        total += m.size
-        if total > limits.max_total_bytes:
-            raise errors.ResourceExhausted(f"the archive holds more than {limits.max_total_bytes} bytes of files")
-        if not _keep_member(path):
-            entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, None)
-            continue
-        name, fd = staging.create()
+            if m.kind == tarfmt.SYMLINK:
+                target = m.linkname[:200].decode("utf-8", "backslashreplace")
+                raise errors.InvalidArgument(
+                    f"tar member {shown} is a symlink (to {target!r}); symlinks are not allowed"
+                )
+            for i in range(1, len(parts)):
+                parents.add("/".join(parts[:i]))
+            if m.kind == tarfmt.HARDLINK:
+                target_path = _normalize(m.linkname, limits, f"hardlink target of {shown}")
+                src = entries.get(target_path or "")
+                if src is None or src.kind != tarfmt.FILE:
+                    raise errors.InvalidArgument(
+                        f"tar member {shown} is a hardlink to something other than a regular file earlier in "
+                        "the archive"
+                    )
+                if src.name is None and _keep_member(path):
+                    raise errors.InvalidArgument(f"tar member {shown} is a hardlink to a member that is not kept")
+                entries[path] = _Staged(tarfmt.FILE, m.mode, src.size, src.name)
+            elif m.kind == tarfmt.DIR:
+                entries[path] = _Staged(tarfmt.DIR, m.mode, 0, None)
+            else:
+                total += m.size
+                if total > self.bounds.total_bytes:
+                    raise errors.ResourceExhausted(
+                        f"tar member {shown}: the archive holds more than {self.bounds.total_bytes} bytes of files "
+                        f"({self.bounds.total_name()})"
+                    )
+                if not _keep_member(path):
+                    entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, None)
+                    continue
+                if path in _REQUIRED + _REQUIRED_OWN + (c.OWN_MANIFEST,) and m.size > limits.max_json_bytes:
+                    raise errors.ResourceExhausted(
+                        f"{path}: {m.size} bytes is more than the limit of {limits.max_json_bytes} (max_json_bytes)"
+                    )
+                if self.writing and not self.lifted and before + m.size > limits.max_staged_before_required:
+                    # Bulk in front of the required documents: stage no more until they are known to come.
+                    self.writing = False
+                    self.staging.reset()
+                    self.meter.reset()
+                if self.writing:
+                    before += m.size
+                    entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, self._stage(reader, shown, m.size))
+                else:
+                    # Looking ahead: the content is skipped by the next header read.
+                    entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, "")
+            if not self.lifted and not self.missing():
+                if not self.writing:
+                    self.again = True
+                    return
+                self.lifted = True
+        if self.expect is not None and self.count < len(self.expect):
+            raise errors.InvalidArgument("the archive changed while it was read (it ended early on the second read)")
+        if self.missing():
+            missing = " and ".join(self.missing())
+            raise errors.InvalidArgument(f"the archive has no {missing}")
+
+    def _stage(self, reader: tarfmt.TarReader, shown: str, size: int) -> str:
+        self.meter.admit(shown, size)
+        name, fd = self.staging.create()
         try:
-            left = m.size
-            while left:
-                data = reader.read(min(_COPY, left))
+            done = 0
+            while done < size:
+                data = reader.read(min(_COPY, size - done))
                 if not data:
                     raise errors.InvalidArgument(f"tar member {shown} is truncated")
+                self.meter.charge(shown, len(data), done, size)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
-                left -= len(data)
+                done += len(data)
         finally:
             os.close(fd)
-        entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, name)
-    return entries
+        return name
 
 
-def _check_nested_tar(staging: _Staging, name: str, what: str, limits: c.ImportLimits) -> None:
+def _read_members(archive: _Archive, staging: _Staging, meter: _Meter, limits: c.ImportLimits,
+                  bounds: c.StagingBounds) -> dict[str, _Staged]:
+    """Every member checked, the kept ones staged; the archive read a second time only if its bulk comes first."""
+    first = _Pass(staging, meter, limits, bounds, bounded=True)
+    first.run(archive.reader(bounds))
+    if not first.again:
+        return first.entries
+    second = _Pass(staging, meter, limits, bounds, bounded=False, expect=first.prints)
+    second.run(archive.reader(bounds))
+    return second.entries
+
+
+def _check_nested_tar(staging: _Staging, name: str, what: str, limits: c.ImportLimits,
+                      bounds: c.StagingBounds) -> None:
     """Scan an archive inside the archive: well-formed, bounded, no devices, no escaping names."""
     with open(staging.path(name), "rb") as fh:
         if not fh.read(1):
             return
         fh.seek(0)
-        reader = tarfmt.TarReader(fh, max_member_bytes=limits.max_member_bytes)
+        reader = tarfmt.TarReader(fh, max_member_bytes=bounds.member_bytes, member_limit=bounds.member_name())
         count = 0
         while True:
             m = reader.next()
@@ -345,7 +555,7 @@ class _Out:
 
 
 def _own_plan(
-    staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, *,
+    staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, bounds: c.StagingBounds, *,
     namespace: str | None, name: str | None, log_root: str | None, allow_host_access: bool, kubelet_root: str,
     store_root: str,
 ) -> tuple[list[_Out], dict[str, Any]]:
@@ -438,7 +648,7 @@ def _own_plan(
     hostaccess.refuse(f"the archive of container {container}", found, allowed=allow_host_access)
     for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
         if nested in by_path and by_path[nested].staged:
-            _check_nested_tar(staging, by_path[nested].staged or "", what, limits)
+            _check_nested_tar(staging, by_path[nested].staged or "", what, limits, bounds)
     return plan, out_meta
 
 
@@ -480,7 +690,7 @@ def _marker_files(store: Store, paths: tuple[str, ...]) -> tuple[str, dict[str, 
 
 
 def _foreign_plan(
-    store: Store, staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits,
+    store: Store, staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, bounds: c.StagingBounds,
     opts: foreign.ForeignOptions, options: Mapping[str, str], cpuinfo: Callable[[str], None],
     cleanup: list[str],
 ) -> tuple[list[_Out], dict[str, Any]]:
@@ -534,7 +744,7 @@ def _foreign_plan(
             raise errors.InvalidArgument("deleted.files is not a JSON list of paths")
     for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
         if nested in by_path and by_path[nested].staged:
-            _check_nested_tar(staging, by_path[nested].staged or "", what, limits)
+            _check_nested_tar(staging, by_path[nested].staged or "", what, limits, bounds)
 
     config_dump = syn.config_dump
     interop_dir = ""
@@ -627,7 +837,7 @@ def import_archive(
         c.check_name(name, "pod name")
     work = work_dir or os.path.join(store.root, "work")
     cleanup: list[str] = []
-    stream, _compression = _open_archive(path)
+    archive = _Archive(path)
     staging: _Staging | None = None
     try:
         try:
@@ -635,14 +845,16 @@ def import_archive(
         except OSError as exc:
             raise errors.Internal(f"cannot make a staging directory under {work}: {exc.strerror}") from exc
         try:
-            entries = _read_members(stream, staging, limits)
+            bounds = limits.bounds(_free_bytes(staging.fd))
+            meter = _Meter(staging.fd, work, limits, bounds)
+            entries = _read_members(archive, staging, meter, limits, bounds)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise errors.ResourceExhausted(f"no space to stage the archive under {work}") from exc
             raise errors.Internal(f"reading archive {path}: {exc}") from exc
         if c.OWN_MANIFEST in entries:
             plan, meta = _own_plan(
-                staging, entries, limits, namespace=namespace, name=name, log_root=log_root,
+                staging, entries, limits, bounds, namespace=namespace, name=name, log_root=log_root,
                 allow_host_access=allow_host_access, kubelet_root=kubelet_root, store_root=store.root,
             )
         else:
@@ -652,14 +864,14 @@ def import_archive(
                 volumes=dict(volumes or {}),
             )
             plan, meta = _foreign_plan(
-                store, staging, entries, limits, opts, options or {},
+                store, staging, entries, limits, bounds, opts, options or {},
                 cpuinfo_dump or _default_cpuinfo(criu, staging.root), cleanup,
             )
         record = _commit(store, staging, plan, meta)
         cleanup.clear()
         return record
     finally:
-        stream.close()
+        archive.close()
         if staging is not None:
             staging.close()
         for leftover in cleanup:

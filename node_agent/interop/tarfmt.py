@@ -1,8 +1,9 @@
 """A strict, streaming tar reader and a small PAX tar writer.
 
-The reader takes a binary stream (a file or a decompressor) and yields one
-member header at a time; the caller reads or skips the member's content
-before asking for the next one. The headers are parsed by
+The reader takes a binary stream (a file or a decompressor), or a regular
+file read by offset (`tarstream.FileSource`), and yields one member header
+at a time; the caller reads or skips the member's content before asking
+for the next one. The headers are parsed by
 `criu_bridge.tarstream` (checksums, PAX and GNU long names, no sparse files,
 every extended header bounded); this adds the member size limit and raises
 the agent's errors. Member kinds are reported without judging them: the
@@ -79,8 +80,12 @@ class TarReader:
     ends the archive. Device members are returned: the importer decides.
     """
 
-    def __init__(self, stream: Readable, *, max_member_bytes: int) -> None:
-        self._source = tarstream.StreamSource(stream)
+    def __init__(self, stream: Readable | tarstream.FileSource, *, max_member_bytes: int,
+                 member_limit: str = "max_member_bytes") -> None:
+        # A regular file read by offset skips what is left unread without reading it.
+        self._source: tarstream.FileSource | tarstream.StreamSource = (
+            stream if isinstance(stream, tarstream.FileSource) else tarstream.StreamSource(stream)
+        )
         self._headers = tarstream.TarStream(
             self._source,
             eof_ends_archive=True,
@@ -90,11 +95,13 @@ class TarReader:
             pax_length_digits=23,
         )
         self._max_member = max_member_bytes
+        self._member_limit = member_limit  # how messages name the bound
 
     @property
     def consumed(self) -> int:
-        """Bytes of the tar stream read so far."""
-        return self._source.consumed
+        """Bytes of the tar stream read (or, from a file, skipped) so far."""
+        src = self._source
+        return src.pos if isinstance(src, tarstream.FileSource) else src.consumed
 
     def read(self, n: int) -> bytes:
         """Up to `n` bytes of the current member's content (b"" at its end)."""
@@ -112,6 +119,7 @@ class TarReader:
             if h.kind == FILE and h.size > self._max_member:
                 raise LimitExceeded(
                     f"tar member {h.shown}: {h.size} bytes is more than the limit of {self._max_member}"
+                    f" ({self._member_limit})"
                 )
             return Member(name=h.name, kind=h.kind, size=h.size, mode=h.mode(), mtime=_mtime(h), linkname=h.linkname)
         except InvalidInput as e:

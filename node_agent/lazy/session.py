@@ -182,7 +182,8 @@ class LazySession:
                 os.close(status_w)
         self._ctrl = ours
         try:
-            ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords}) + "\n").encode())
+            ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords,
+                                      "registry": self.settings.registry.as_mapping()}) + "\n").encode())
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
+from node_agent.config import parse_registry
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap, protocol
 from node_agent.lazy.kill import kill_container
@@ -347,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(args.store)
         given = config.get("passwords")
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
-        store.fetcher = RemoteBlobs(store, passwords=passwords)
+        registry = config.get("registry")
+        store.fetcher = RemoteBlobs(store, passwords=passwords,
+                                    settings=parse_registry(registry) if isinstance(registry, dict) else None)
         origin = config.get("origin")
         if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):
             origin = None

@@ -3,9 +3,11 @@
 Rule: the store is reached only through the small interfaces in ``ports``
 (the store's ``Store`` provides them); HTTP, TLS and auth live in
 ``transport`` and ``auth``, on the standard library alone. Everything here is
-synchronous and blocking with a timeout on every socket operation: async
-callers run it in a worker thread. Credentials never reach a log record, a
-``repr`` or an error message.
+synchronous and blocking, with a deadline on every request and a timeout on
+every socket operation (the agent's ``registry:`` settings): async callers run
+it in a worker thread. Credentials never reach a log record, a ``repr`` or an
+error message, nor any host but the registry's own and the token realms it
+may ask (docs/registry.md).
 """
 
 from node_agent.registry.auth import Credentials

@@ -29,6 +29,9 @@ _SAFE_PARAM = re.compile(r"[\x20-\x7e]*", re.ASCII)
 MAX_TOKEN_LENGTH = 1 << 16
 
 
+MAX_CA_PEM = 1 << 20
+
+
 @dataclass(frozen=True)
 class Credentials:
     """How to reach and log in to a registry. ``repr`` hides the password."""
@@ -36,6 +39,8 @@ class Credentials:
     username: str = ""
     password: str = field(default="", repr=False)
     ca_file: str = ""
+    # The CA bundle itself (PEM), as a caller that may not name node paths sends it.
+    ca_pem: str = ""
     plain_http: bool = False
     insecure_skip_verify: bool = False
 
@@ -48,6 +53,8 @@ class Credentials:
                 raise InvalidArgument(f"registry {what} must not contain CR, LF or NUL")
         if self.password and not self.username:
             raise InvalidArgument("a registry password needs a username")
+        if len(self.ca_pem) > MAX_CA_PEM:
+            raise InvalidArgument(f"a registry CA bundle must be at most {MAX_CA_PEM} bytes")
 
     @property
     def has_login(self) -> bool:
@@ -150,7 +157,9 @@ class Authenticator:
     Basic: once challenged, every request to the registry carries the credentials.
     Bearer: tokens are cached per (realm, service, scopes) until they expire; a
     401 with a token drops it and fetches another; a 401 for a token just
-    fetched is final.
+    fetched is final. Which realms may be asked at all, with the credentials
+    or without, is the fetcher's rule (``transport.Session.realm_refusal``):
+    it refuses the others before anything is sent.
     """
 
     def __init__(

@@ -15,13 +15,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from node_agent.config import RegistrySettings
 from node_agent.errors import InvalidArgument
 from node_agent.registry.auth import Credentials
 from node_agent.registry.ports import BlobSink
 from node_agent.registry.pulling import _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
-from node_agent.registry.transport import Session
+from node_agent.registry.transport import Session, log_failure
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def credentials_of(origin: Mapping[str, Any], password: str = "") -> Credentials
 
     return Credentials(
         username=str(origin.get("username") or ""), password=password, ca_file=str(origin.get("ca_file") or ""),
+        ca_pem=str(origin.get("ca_pem") or ""),
         plain_http=flag("plain_http"), insecure_skip_verify=flag("insecure_skip_verify"),
     )
 
@@ -55,13 +57,24 @@ class RemoteBlobs:
 
     Passwords come from ``passwords`` (by ``registry/repository``), held in
     memory by whoever pulled; an origin without one is fetched with its
-    username only (or anonymously).
+    username only (or anonymously). ``settings`` (the agent's ``registry:``
+    section) bound each fetch like a pull's; ``timeout``, when given,
+    replaces its ``io-timeout``. A fetch that fails is logged (one warning)
+    and raises.
     """
 
-    def __init__(self, store: BlobSink, *, passwords: Mapping[str, str] | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        store: BlobSink,
+        *,
+        passwords: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        settings: RegistrySettings | None = None,
+    ) -> None:
         self.store = store
         self.passwords = dict(passwords or {})
         self.timeout = timeout
+        self.settings = settings
         self._sessions: dict[str, tuple[Session, threading.Lock]] = {}
         self._lock = threading.Lock()
         self.fetched = 0
@@ -75,14 +88,19 @@ class RemoteBlobs:
                 if ref.digest is None:
                     raise InvalidArgument(f"origin {reference} is not pinned by digest")
                 creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
-                found = (Session(ref, creds, timeout=self.timeout, actions="pull"), threading.Lock())
+                session = Session(ref, creds, timeout=self.timeout, settings=self.settings, actions="pull")
+                found = (session, threading.Lock())
                 self._sessions[reference] = found
             return found
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> None:
-        session, lock = self._session(origin)
-        with lock, self.store.importer() as importer:
-            _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?", Tally(None))
+        try:
+            session, lock = self._session(origin)
+            with lock, self.store.importer() as importer:
+                _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?", Tally(None))
+        except BaseException as exc:
+            log_failure(log, f"fetch of blob {chunk.digest}", origin.get("reference"), exc)
+            raise
         self.fetched += 1
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
 

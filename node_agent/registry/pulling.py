@@ -5,7 +5,10 @@ hostile input; each blob the store lacks is streamed into one store import,
 which verifies it and skips (without a request) the blobs it already holds;
 the import commits the manifest last. A pull that stopped half-way keeps the
 blobs it finished (linked into the store as each one is verified, kept until
-garbage collection), so running it again fetches only the rest.
+garbage collection), so running it again fetches only the rest; the import's
+staging goes with it (a lazy pull's origin record, which holds no password,
+stays for garbage collection). A pull that fails, is stopped or runs out of
+time is logged as one warning naming the reference and the reason.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Generator
 
+from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
 from node_agent.registry.auth import Credentials
 from node_agent.registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE, manifest_digest, parse_manifest
 from node_agent.registry.ports import BlobImporter, BlobSink, ProgressCallback, PullReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
-from node_agent.registry.transport import Session
+from node_agent.registry.transport import Session, log_failure
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +31,7 @@ log = logging.getLogger(__name__)
 def recorded_origin(reference: str, creds: Credentials) -> dict[str, object]:
     """What a store records about where a lazily pulled checkpoint's blobs are (never the password)."""
     return {
-        "reference": reference, "username": creds.username, "ca_file": creds.ca_file,
+        "reference": reference, "username": creds.username, "ca_file": creds.ca_file, "ca_pem": creds.ca_pem,
         "plain_http": creds.plain_http, "insecure_skip_verify": creds.insecure_skip_verify,
     }
 
@@ -38,23 +42,43 @@ def pull(
     creds: Credentials,
     *,
     progress: ProgressCallback | None = None,
-    timeout: float = 60.0,
+    timeout: float | None = None,
     defer: Callable[[str, int], Collection[str]] | None = None,
+    settings: RegistrySettings | None = None,
 ) -> PullReport:
     """Pull ``ref`` (``host/repo:tag`` or ``host/repo@sha256:...``) into ``store``; returns once it is published.
 
-    ``timeout`` bounds every socket operation. Safe to run again after any
+    ``settings`` (the agent's ``registry:`` section; its defaults when None)
+    bound each request (``request-timeout``, ``min-rate`` for blobs) and
+    each socket operation (``io-timeout``, or ``timeout`` when given), and
+    name the token realms that may be asked. Safe to run again after any
     failure. A lazy pull passes ``defer``: given the config blob (digest,
     size), once it is in the store, it names the blobs to leave in the
     registry; the store records the registry as their origin and readers
     fetch them on demand (`fetching`).
     """
+    try:
+        return _pull(store, ref, creds, progress, timeout, defer, settings)
+    except BaseException as exc:
+        log_failure(log, "pull", ref, exc)
+        raise
+
+
+def _pull(
+    store: BlobSink,
+    ref: str | Reference,
+    creds: Credentials,
+    progress: ProgressCallback | None,
+    timeout: float | None,
+    defer: Callable[[str, int], Collection[str]] | None,
+    settings: RegistrySettings | None,
+) -> PullReport:
     reference = parse_reference(ref)
     if reference.tag is None and reference.digest is None:
         raise InvalidArgument(f"reference {reference} names neither a tag nor a digest")
     tally = Tally(progress)
     log.info("pulling %s: fetching its manifest", reference)
-    with Session(reference, creds, timeout=timeout, actions="pull") as session:
+    with Session(reference, creds, timeout=timeout, settings=settings, actions="pull") as session:
         tally.report("manifest")
         manifest, digest = _get_manifest(session)
         refs = parse_manifest(manifest)
@@ -128,7 +152,7 @@ def _import_blob(session: Session, importer: BlobImporter, digest: str, size: in
         started = True
         what = f"downloading blob {digest}"
         url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
-        with session.request("GET", url, what, follow_redirects=True) as resp:
+        with session.request("GET", url, what, follow_redirects=True, size=size) as resp:
             if resp.status == 404:
                 raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
             if resp.status != 200:

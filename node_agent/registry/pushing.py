@@ -3,7 +3,8 @@
 Blobs first (a HEAD on each, an upload only where the registry lacks it),
 the manifest last, so a registry never holds a manifest whose blobs are
 missing, and a push that stopped half-way uploads only what is still missing
-when it is run again.
+when it is run again. A push that fails, is stopped or runs out of time is
+logged as one warning naming the reference and the reason.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from collections.abc import Iterator
 from typing import BinaryIO
 from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 
+from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
 from node_agent.registry.auth import Credentials
 from node_agent.registry.manifest import MANIFEST_MEDIA_TYPE, manifest_digest
 from node_agent.registry.ports import BlobSource, ProgressCallback, PushReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
-from node_agent.registry.transport import CHUNK_SIZE, Body, Resend, Session
+from node_agent.registry.transport import CHUNK_SIZE, Body, Resend, Session, log_failure
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +37,33 @@ def push(
     creds: Credentials,
     *,
     progress: ProgressCallback | None = None,
-    timeout: float = 60.0,
+    timeout: float | None = None,
+    settings: RegistrySettings | None = None,
 ) -> PushReport:
     """Push checkpoint ``checkpoint_id`` to ``ref`` (``host/repo:tag``, ``host/repo@sha256:...`` or ``host/repo``).
 
-    Without a tag the manifest is put by its digest. ``timeout`` bounds every
-    socket operation. Safe to run again after any failure.
+    Without a tag the manifest is put by its digest. ``settings`` (the
+    agent's ``registry:`` section; its defaults when None) bound each request
+    (``request-timeout``, ``min-rate`` for blobs) and each socket operation
+    (``io-timeout``, or ``timeout`` when given), and name the token realms
+    that may be asked. Safe to run again after any failure.
     """
+    try:
+        return _push(store, checkpoint_id, ref, creds, progress, timeout, settings)
+    except BaseException as exc:
+        log_failure(log, "push", ref, exc)
+        raise
+
+
+def _push(
+    store: BlobSource,
+    checkpoint_id: str,
+    ref: str | Reference,
+    creds: Credentials,
+    progress: ProgressCallback | None,
+    timeout: float | None,
+    settings: RegistrySettings | None,
+) -> PushReport:
     reference = parse_reference(ref)
     digest = store.get(checkpoint_id).id
     manifest = store.manifest_bytes(digest)
@@ -52,7 +74,7 @@ def push(
     blobs = unique_blobs((d.digest, d.size) for d in store.descriptors(digest))
     tally = Tally(progress)
     tally.plan([size for _, size in blobs])
-    with Session(reference, creds, timeout=timeout, actions="pull,push") as session:
+    with Session(reference, creds, timeout=timeout, settings=settings, actions="pull,push") as session:
         tally.report("blobs")
         for blob_digest, size in blobs:
             if _registry_has(session, blob_digest):

@@ -1,29 +1,39 @@
-"""HTTP to one registry: connections, TLS, timeouts, auth, redirects, errors.
+"""HTTP to one registry: connections, TLS, deadlines, auth, redirects, errors.
 
-Rule: the only module here that opens sockets. Every socket operation (connect,
-TLS handshake, each send and each receive) has the session's timeout. Every
-network or HTTP failure leaves as an ``AgentError`` naming the registry and
-repository. Authorization goes to the registry's own origin only (and basic
-credentials to the token realm it names); query strings, which may carry
-signatures, and header values are never logged.
+Rule: the only module here that opens sockets. Every request (one
+``Session.request``: its redirects, auth retries and body; one token fetch)
+has a deadline, ``request-timeout``, or for a blob of N bytes
+``max(request-timeout, N / min-rate)``; every socket operation (connect, TLS
+handshake, each send and each receive) gets ``io-timeout``, cut to what is
+left of that deadline, and none starts once it has passed. Every network or
+HTTP failure leaves as an ``AgentError`` naming the registry and repository.
+Authorization goes to the registry's own origin only; a token realm is asked
+(with basic credentials or without) only where ``realm_refusal`` allows it.
+Query strings, which may carry signatures, and header values are never logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import io
 import ipaddress
 import json
 import logging
+import math
 import socket
 import ssl
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlencode, urljoin, urlsplit
 
+from node_agent.config import RegistrySettings, token_realm_host
 from node_agent.errors import (
     AgentError,
+    Cancelled,
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -38,6 +48,9 @@ from node_agent.errors import (
 from node_agent.registry.auth import MAX_TOKEN_RESPONSE, Authenticator, Credentials
 from node_agent.registry.reference import Reference
 
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
 log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1 << 20
@@ -47,6 +60,9 @@ MAX_ERROR_BODY = 64 << 10
 """Largest error body read for its message; larger ones are not read."""
 
 MAX_REDIRECTS = 5
+
+SEND_PIECE = 64 << 10
+"""Bytes handed to one socket send: a stalled peer is noticed within one piece."""
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -98,6 +114,11 @@ def _path_only(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
+def _host_port(origin: Origin) -> str:
+    """``host:port`` of an origin, the port always named (``[v6]:port`` for IPv6)."""
+    return f"[{origin.host}]:{origin.port}" if ":" in origin.host else f"{origin.host}:{origin.port}"
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -135,6 +156,20 @@ def _error_detail(body: bytes) -> str:
     return _clean(line[0], 200) if line else ""
 
 
+def log_failure(logger: logging.Logger, op: str, ref: object, exc: BaseException) -> None:
+    """One warning line for a push or pull that did not finish: the reference, and why (never a credential)."""
+    name = str(ref) if isinstance(ref, Reference) else _clean(str(ref), 300)
+    if isinstance(exc, DeadlineExceeded):
+        how = "timed out"
+    elif isinstance(exc, (Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)) or type(exc).__name__ == "CancelledError":
+        how = "was cancelled"  # CancelledError: asyncio's or concurrent.futures', whichever reached this thread
+    else:
+        how = "failed"
+    code = exc.code if isinstance(exc, AgentError) else type(exc).__name__
+    detail = _clean(str(exc), 1000)
+    logger.warning("%s of %s %s (%s)%s", op, name, how, code, f": {detail}" if detail else "", extra={"phase": op})
+
+
 class _NetError(Exception):
     """Carries a socket or HTTP failure out of ``_net``, apart from every other error."""
 
@@ -153,7 +188,146 @@ def _net(fn: Callable[..., _T], *args: object) -> _T:
         raise _NetError(exc) from exc
 
 
-def _start_request(conn: http.client.HTTPConnection, method: str, target: str, headers: dict[str, str], length: int) -> None:
+class Deadline:
+    """When one request must be over (monotonic clock); for its error, the request and the rule that set the bound."""
+
+    def __init__(self, seconds: float, rule: str, what: str) -> None:
+        self.seconds = seconds
+        self.rule = rule
+        self.what = what
+        self.at = time.monotonic() + seconds
+
+    def within(self, outer: Deadline | None) -> Deadline:
+        """This deadline, or ``outer``'s when that comes first (a token fetched for a request)."""
+        if outer is None or outer.at >= self.at:
+            return self
+        capped = Deadline(outer.seconds, outer.rule, f"{self.what} (for {outer.what})")
+        capped.at = outer.at
+        return capped
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def error(self, where: str) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{where}: {self.what}: not finished within {self.seconds:g}s ({self.rule})")
+
+
+class _Overdue(TimeoutError):
+    """A socket operation refused or cut short by the request's deadline."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        super().__init__(f"past the deadline of {deadline.seconds:g}s")
+        self.deadline = deadline
+
+
+class _Pace:
+    """A connection's clock: each socket operation gets ``io_timeout``, cut to what is left of ``deadline``."""
+
+    def __init__(self, io_timeout: float) -> None:
+        self.io_timeout = io_timeout
+        self.deadline: Deadline | None = None
+
+    @contextlib.contextmanager
+    def op(self, sock: socket.socket | None) -> Iterator[float]:
+        """Around one socket operation: its timeout (set on ``sock``, and yielded); _Overdue if the deadline ends it."""
+        timeout, bound = self.io_timeout, None
+        deadline = self.deadline
+        if deadline is not None:
+            left = deadline.remaining()
+            if left <= 0:
+                raise _Overdue(deadline)
+            if left < timeout:
+                timeout, bound = left, deadline
+        if sock is not None:
+            sock.settimeout(timeout)
+        try:
+            yield timeout
+        except TimeoutError as exc:
+            if bound is not None and not isinstance(exc, _Overdue):
+                raise _Overdue(bound) from exc
+            raise
+
+
+class _SocketReader(io.RawIOBase):
+    """The raw stream under a response: one receive per read, each through the connection's pace.
+
+    It holds ``file`` (the socket's own file, which ``http.client`` made)
+    until it is closed: like that file, it keeps the socket open for the
+    rest of the response after the connection itself was closed.
+    """
+
+    def __init__(self, sock: socket.socket, pace: _Pace, file: io.BufferedReader) -> None:
+        super().__init__()
+        self._sock = sock
+        self._pace = pace
+        self._file = file
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        with self._pace.op(self._sock):
+            return self._sock.recv_into(buffer)
+
+
+def _response_class(pace: _Pace) -> type[http.client.HTTPResponse]:
+    class PacedResponse(http.client.HTTPResponse):
+        """A response whose status line, headers and body are read through ``pace``.
+
+        ``http.client`` reads them through a buffered file that loops over
+        receives; one receive per raw read lets the deadline stop a peer
+        that sends a byte at a time.
+        """
+
+        def __init__(
+            self, sock: socket.socket, debuglevel: int = 0, method: str | None = None, url: str | None = None
+        ) -> None:
+            super().__init__(sock, debuglevel, method, url)
+            self.fp = io.BufferedReader(_SocketReader(sock, pace, self.fp))
+
+    return PacedResponse
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTP, or HTTPS with ``tls``, to one origin; every socket operation goes through ``pace``."""
+
+    def __init__(self, origin: Origin, io_timeout: float, tls: ssl.SSLContext | None) -> None:
+        super().__init__(origin.host, origin.port, timeout=io_timeout)
+        self.default_port = 443 if tls is not None else 80  # the Host header names other ports only
+        self.pace = _Pace(io_timeout)
+        self._tls = tls
+        self.response_class = _response_class(self.pace)
+
+    def connect(self) -> None:
+        with self.pace.op(None) as timeout:
+            self.timeout = timeout
+            super().connect()
+        if self._tls is not None:
+            with self.pace.op(self.sock):  # the handshake as a whole is bounded by the socket's timeout
+                self.sock = self._tls.wrap_socket(self.sock, server_hostname=self.host)
+
+    def send(self, data: object) -> None:
+        """Send bytes in pieces, each within the pace (http.client's own send is one sendall)."""
+        if isinstance(data, str):
+            data = data.encode("iso-8859-1")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"cannot send a {type(data).__name__}")
+        if self.sock is None:
+            self.connect()
+        sock = self.sock
+        view = memoryview(data).cast("B")
+        while view:
+            with self.pace.op(sock):
+                sent = sock.send(view[:SEND_PIECE])
+            view = view[sent:]
+
+
+def _start_request(conn: _Connection, method: str, target: str, headers: dict[str, str], length: int) -> None:
     conn.putrequest(method, target, skip_accept_encoding=True)
     for name, value in headers.items():
         conn.putheader(name, value)
@@ -173,12 +347,10 @@ class Body:
 class Response:
     """An HTTP response; close it (or use ``with``) so its connection can be reused."""
 
-    def __init__(
-        self, session: Session, origin: Origin, conn: http.client.HTTPConnection, raw: http.client.HTTPResponse, url: str
-    ) -> None:
+    def __init__(self, session: Session, origin: Origin, conn: _Connection, raw: http.client.HTTPResponse, url: str) -> None:
         self._session = session
         self._origin = origin
-        self._conn: http.client.HTTPConnection | None = conn
+        self._conn: _Connection | None = conn
         self._raw = raw
         self.url = url
         self.status = raw.status
@@ -287,22 +459,46 @@ class Response:
             self._conn = None
 
 
-class Session:
-    """Requests to one repository of one registry, with the credentials to use there."""
+def _positive(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise InvalidArgument(f"{what} must be a finite positive number, got {value!r}")
+    return float(value)
 
-    def __init__(self, ref: Reference, creds: Credentials, *, timeout: float, actions: str) -> None:
+
+class Session:
+    """Requests to one repository of one registry, with the credentials to use there.
+
+    ``settings`` (the agent's ``registry:`` section) bound each request and
+    name the token realms besides the registry's own that may be asked;
+    ``timeout``, when given, replaces its ``io-timeout``.
+    """
+
+    def __init__(
+        self,
+        ref: Reference,
+        creds: Credentials,
+        *,
+        actions: str,
+        settings: RegistrySettings | None = None,
+        timeout: float | None = None,
+    ) -> None:
         creds.check()
-        if not timeout > 0:
-            raise InvalidArgument("the registry timeout must be positive")
+        settings = settings or RegistrySettings()
+        self.request_timeout = _positive("registry.request-timeout", settings.request_timeout)
+        self.min_rate = _positive("registry.min-rate", settings.min_rate)
+        self.timeout = _positive("the registry timeout", settings.io_timeout if timeout is None else timeout)
         self.ref = ref
         self.creds = creds
-        self.timeout = timeout
         self.scheme = "http" if creds.plain_http else "https"
         self.base = f"{self.scheme}://{ref.registry}"
         self.origin = origin_of(self.base)
         self.where = f"registry {ref.registry}, repository {ref.repository}"
+        self.token_realms = frozenset(
+            _host_port(origin_of("https://" + token_realm_host(entry))) for entry in settings.token_realms
+        )
         self._tls: ssl.SSLContext | None = None
-        self._pool: dict[Origin, http.client.HTTPConnection] = {}
+        self._pool: dict[Origin, _Connection] = {}
+        self._deadline: Deadline | None = None  # of the request in progress, for the tokens it fetches
         self.auth = Authenticator(ref.registry, ref.repository, creds, actions, self._fetch_token)
         if creds.plain_http and not _is_loopback(self.origin.host):
             log.warning("plain HTTP to registry %s, which is not on loopback", ref.registry)
@@ -338,21 +534,24 @@ class Session:
                     raise InvalidArgument(f"CA file {self.creds.ca_file} does not exist") from None
                 except (ssl.SSLError, OSError) as exc:
                     raise InvalidArgument(f"CA file {self.creds.ca_file} is not a usable PEM bundle: {exc}") from None
+            if self.creds.ca_pem:
+                try:
+                    ctx.load_verify_locations(cadata=self.creds.ca_pem)
+                except (ssl.SSLError, ValueError) as exc:
+                    raise InvalidArgument(f"the registry CA bundle given is not a usable PEM bundle: {exc}") from None
             if self.creds.insecure_skip_verify:
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
             self._tls = ctx
         return self._tls
 
-    def _connection(self, origin: Origin) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
         conn = self._pool.pop(origin, None)
         if conn is not None:
             return conn, True
-        if origin.scheme == "https":
-            return http.client.HTTPSConnection(origin.host, origin.port, timeout=self.timeout, context=self.tls_context()), False
-        return http.client.HTTPConnection(origin.host, origin.port, timeout=self.timeout), False
+        return _Connection(origin, self.timeout, self.tls_context() if origin.scheme == "https" else None), False
 
-    def release(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
+    def release(self, origin: Origin, conn: _Connection) -> None:
         old = self._pool.pop(origin, None)
         if old is not None:
             old.close()
@@ -368,6 +567,8 @@ class Session:
         if isinstance(exc, AgentError):
             return exc
         where = self.where if origin == self.origin else f"{self.where}: {origin.netloc}"
+        if isinstance(exc, _Overdue):
+            return exc.deadline.error(where)
         if isinstance(exc, ssl.SSLCertVerificationError):
             return FailedPrecondition(
                 f"{where}: the TLS certificate of {origin.netloc} is not trusted ({exc.verify_message}); "
@@ -407,6 +608,17 @@ class Session:
 
     # -- requests ----------------------------------------------------------------------
 
+    def deadline(self, what: str, size: int | None = None) -> Deadline:
+        """A new request's deadline: ``request-timeout``; for ``size`` bytes of blob, the longer of that and ``size / min-rate``."""
+        if size is None:
+            return Deadline(self.request_timeout, "registry.request-timeout", what)
+        return Deadline(
+            max(self.request_timeout, size / self.min_rate),
+            f"the longer of registry.request-timeout, {self.request_timeout:g}s, "
+            f"and {size} bytes at registry.min-rate, {self.min_rate:g} bytes/s",
+            what,
+        )
+
     def request(
         self,
         method: str,
@@ -417,13 +629,36 @@ class Session:
         body: bytes | None = None,
         stream: Body | None = None,
         follow_redirects: bool = False,
+        size: int | None = None,
     ) -> Response:
         """Send a request to the registry, answering its auth challenges and following redirects.
 
         A 401 from the registry is answered (and the request sent again) while
         the authenticator can do better; a streamed body cannot be sent twice,
         so there the authenticator is updated and Resend raised.
+
+        Everything, up to the last byte of the response's body, is over by one
+        deadline (``deadline``): that of a blob transfer when ``size`` (the
+        body expected) or ``stream`` (the body sent) gives its length.
         """
+        deadline = self.deadline(what, size if size is not None else stream.length if stream is not None else None)
+        self._deadline = deadline
+        try:
+            return self._request(method, url, what, headers, body, stream, follow_redirects, deadline)
+        finally:
+            self._deadline = None
+
+    def _request(
+        self,
+        method: str,
+        url: str,
+        what: str,
+        headers: dict[str, str] | None,
+        body: bytes | None,
+        stream: Body | None,
+        follow_redirects: bool,
+        deadline: Deadline,
+    ) -> Response:
         fresh = False
         redirects = 0
         current = url
@@ -433,7 +668,7 @@ class Session:
             sent_auth = self.auth.header() if origin == self.origin else None
             if sent_auth is not None:
                 send_headers["Authorization"] = sent_auth
-            resp = self._send(origin, method, current, send_headers, body, stream, what)
+            resp = self._send(origin, method, current, send_headers, body, stream, what, deadline)
             log.debug("%s %s -> %d", method, _path_only(current), resp.status)
             if resp.status == 401 and origin == self.origin:
                 challenges = resp.headers("WWW-Authenticate")
@@ -466,17 +701,20 @@ class Session:
         body: bytes | None,
         stream: Body | None,
         what: str,
+        deadline: Deadline,
     ) -> Response:
-        """One HTTP exchange, on a kept-alive connection when there is one.
+        """One HTTP exchange, on a kept-alive connection when there is one, over by ``deadline``.
 
         Only socket and HTTP failures are mapped here; an error raised by a
         streamed body's source (the store, a progress callback) passes through
-        as it is, and the connection is dropped.
+        as it is, and the connection is dropped. The response's body is read
+        under the same deadline.
         """
         target = _target(url)
         length = len(body) if body is not None else stream.length if stream is not None else 0
         for attempt in (1, 2):
             conn, reused = self._connection(origin)
+            conn.pace.deadline = deadline
             try:
                 _net(_start_request, conn, method, target, headers, length)
                 if body:
@@ -509,18 +747,42 @@ class Session:
 
     # -- tokens ------------------------------------------------------------------------
 
+    def realm_refusal(self, realm: Origin) -> str | None:
+        """Why the token realm at ``realm`` may not be asked, with credentials or without; None if it may.
+
+        Over HTTPS: the registry's own host and port, or a ``host:port`` named
+        in ``registry.token-realms``. Over plain HTTP: only the registry's own
+        origin (scheme, host, port), on loopback, under plain-http.
+        """
+        own = _host_port(self.origin)
+        if realm.scheme == "https":
+            if _host_port(realm) == own or _host_port(realm) in self.token_realms:
+                return None
+            return (
+                f"an HTTPS token realm is asked only at the registry's own host:port ({own}) or at a host:port "
+                f"named in the agent's registry.token-realms setting; name {_host_port(realm)} there to trust it"
+            )
+        if realm == self.origin and self.creds.plain_http and _is_loopback(realm.host):
+            return None
+        return (
+            "a plain-HTTP token realm is asked only when it is the registry's own origin "
+            f"(http://{self.origin.netloc}), on loopback, under plain-http; anything else must be HTTPS"
+        )
+
     def _fetch_token(self, realm: str, query: list[tuple[str, str]], authorization: str | None) -> bytes:
-        """GET a bearer token from ``realm``; basic credentials only over HTTPS (or plain HTTP when allowed)."""
+        """GET a bearer token from ``realm``, if ``realm_refusal`` allows asking it at all (else nothing is sent)."""
         origin = origin_of(realm)
-        if origin.scheme == "http" and not self.creds.plain_http:
-            raise FailedPrecondition(f"{self.where}: the token realm {_path_only(realm)} is plain HTTP")
+        refusal = self.realm_refusal(origin)
+        if refusal is not None:
+            raise FailedPrecondition(f"{self.where}: refusing the token realm {_path_only(realm)}: {refusal}")
         if urlsplit(realm).fragment:
             raise InvalidArgument(f"{self.where}: the token realm has a fragment")
         url = realm + ("&" if urlsplit(realm).query else "?") + urlencode(query)
         headers = {"Accept": "application/json"}
         if authorization is not None:
             headers["Authorization"] = authorization
-        resp = self._send(origin, "GET", url, headers, None, None, "getting a token")
+        what = f"getting a token from {_path_only(realm)}"
+        resp = self._send(origin, "GET", url, headers, None, None, what, self.deadline(what).within(self._deadline))
         log.debug("GET %s -> %d", _path_only(realm), resp.status)
         if resp.status == 200:
             return resp.read(MAX_TOKEN_RESPONSE, "the token answer")

@@ -250,8 +250,12 @@ class Store:
         text = checkpoint_id.removeprefix("sha256:")
         return self.blobs.path("sha256:" + text)
 
-    def _resolve(self, checkpoint_id: str) -> str:
-        """Full id for ``sha256:<hex>`` or a unique hex prefix of at least 6 characters."""
+    def _resolve(self, checkpoint_id: str, within: Callable[[CheckpointRecord], bool] | None = None) -> str:
+        """Full id for ``sha256:<hex>`` or a unique hex prefix of at least 6 characters.
+
+        `within`: only checkpoints it accepts exist for this call (an
+        authorization scope): the others are neither found nor counted.
+        """
         if not isinstance(checkpoint_id, str):
             raise InvalidArgument(f"malformed checkpoint id {checkpoint_id!r}")
         text = checkpoint_id.lower()
@@ -263,6 +267,8 @@ class Store:
             )
         ids = _index_digests(self._read_index())
         matches = sorted({d for d in ids if d[len("sha256:") :].startswith(text)})
+        if within is not None:
+            matches = [d for d in matches if self._accepts(d, within)]
         if not matches:
             if len(text) == 64:
                 raise NotFound(f"checkpoint sha256:{text} not found")
@@ -393,18 +399,30 @@ class Store:
 
     def list(self) -> builtins.list[CheckpointRecord]:
         """Every readable checkpoint, newest first; unreadable ones are logged and skipped."""
+        return self.scan()[0]
+
+    def scan(self) -> tuple[builtins.list[CheckpointRecord], builtins.list[AgentError]]:
+        """(every readable checkpoint, newest first; why each unreadable one is unreadable)."""
         records: list[CheckpointRecord] = []
+        problems: list[AgentError] = []
         for cid in _index_digests(self._read_index()):
             try:
                 records.append(self._load(cid))
             except AgentError as exc:
                 log.warning("skipping unreadable checkpoint: %s", exc, extra={"checkpoint": cid})
+                problems.append(exc)
         records.sort(key=lambda r: (created_epoch(r.created), r.id), reverse=True)
-        return records
+        return records, problems
 
-    def get(self, checkpoint_id: str) -> CheckpointRecord:
-        """The checkpoint for a full id or unique prefix."""
-        return self._load(self._resolve(checkpoint_id))
+    def _accepts(self, cid: str, within: Callable[[CheckpointRecord], bool]) -> bool:
+        try:
+            return within(self._load(cid))
+        except AgentError:
+            return False
+
+    def get(self, checkpoint_id: str, *, within: Callable[[CheckpointRecord], bool] | None = None) -> CheckpointRecord:
+        """The checkpoint for a full id or unique prefix (among those `within` accepts, if given)."""
+        return self._load(self._resolve(checkpoint_id, within))
 
     def held(self, checkpoint_id: str) -> CheckpointRecord:
         """The checkpoint with this full id, published or not: for a reader that holds it (`hold`)."""

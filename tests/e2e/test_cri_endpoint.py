@@ -172,6 +172,27 @@ def test_checkpoint_pod_refuses_bad_requests_and_writes_nothing(agent: Bed, tmp_
         remove_pod(agent, src.id)
 
 
+def test_restore_pod_of_an_unreadable_checkpoint_says_why(agent: Bed, tmp_path: Path) -> None:
+    src = pod_via_agent(agent, "e2e-cri", [shell(agent)])
+    try:
+        out = tmp_path / "ckpt"
+        out.mkdir()
+        checkpoint_pod(agent, src.id, str(out), [src.containers["shell"]])
+        [rec] = Store(out).list()
+        manifest = out / "blobs" / "sha256" / rec.id.removeprefix("sha256:")
+        manifest.chmod(0o644)
+        manifest.write_bytes(manifest.read_bytes().replace(b'"size":', b'"size":9', 1))  # an absurd size, say
+        pcfg = pod_config(agent, "e2e-cri-dst", f"r-{secrets.token_hex(3)}")
+        req = cri.RestorePodRequest(checkpoint_path=str(out), config=_parse(pcfg, cri.PodSandboxConfig, "pod"),
+                                    container_configs=[_parse(shell(agent), cri.ContainerConfig, "container")])
+        err = _code(lambda: raw_call(agent.cri_endpoint, RT + "RestorePod", req.SerializeToString()))
+        # The decisive reason, not a count of readable checkpoints.
+        assert err.code() == grpc.StatusCode.DATA_LOSS, err
+        assert "content hashes to" in (err.details() or "") and str(out) in (err.details() or ""), err.details()
+    finally:
+        remove_pod(agent, src.id)
+
+
 def test_cancelled_checkpoint_pod_leaves_the_pod_running_and_output_empty(agent: Bed, tmp_path: Path) -> None:
     imgs = agent.info["images"]
     src = pod_via_agent(agent, "e2e-cri", [

@@ -122,11 +122,19 @@ def test_tls_refuses_strangers_and_enforces_the_policy(listening: Listening, tmp
     ctl = listening.pki.client("ctl", "controller", "URI:spiffe://cluster/ns/ops/sa/checkpointer")
     other = shell_pod(listening.bed, "tls-other")
     try:
-        # The pod's namespace comes from the node's CRI, not from the caller.
+        # The pod's namespace comes from the node's CRI, not from the caller; a pod of a namespace the
+        # caller may not act in is not found, exactly as one that does not exist.
+        missing = "f" * 64 if other.id != "f" * 64 else "e" * 64
+        answers = []
         with listening.channel(ctl) as ch:
             stub = pb_grpc.NodeAgentStub(ch)  # type: ignore[no-untyped-call]
+            for ref in (other.id, missing):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Checkpoint(pb.CheckpointRequest(pod=ref), timeout=60))
+                answers.append((err.value.code(), err.value.details().replace(ref, "<id>")))  # type: ignore[attr-defined]
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Checkpoint(pb.CheckpointRequest(pod=other.id), timeout=60))
+                list(stub.Checkpoint(pb.CheckpointRequest(pod=f"tls-other/{other.name}"), timeout=60))
+        assert answers[0] == answers[1] and answers[0][0] == grpc.StatusCode.NOT_FOUND, answers
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
         assert err.value.details() == (  # type: ignore[attr-defined]
             "spiffe://cluster/ns/ops/sa/checkpointer may not call Checkpoint for namespace 'tls-other'"

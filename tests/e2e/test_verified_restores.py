@@ -267,3 +267,19 @@ def test_a_pods_own_volume_needs_no_permission(agent: Bed) -> None:
             remove_pod(agent, new_pod)
         remove_pod(agent, src.id)
         subprocess.run(["rm", "-rf", os.path.join(agent.info["kubelet_root"], "pods", uid)], check=False)
+
+
+def test_the_pod_annotation_allowing_host_access_is_true_or_false_only(agent: Bed) -> None:
+    from node_agent.api.cri_endpoint import ALLOW_HOST_ACCESS
+
+    src = counter_pod(agent, "e2e-annot", flip=False)
+    try:
+        ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
+        for bad in ("", "1", "yes", "True"):
+            with pytest.raises(errors.InvalidArgument) as e:
+                pod_via_agent(agent, "e2e-annot-dst", [], annotations={RESTORE_FROM: ckpt, ALLOW_HOST_ACCESS: bad})
+            assert ALLOW_HOST_ACCESS in str(e.value) and "expected true or false" in str(e.value)
+        assert pods_in(agent, "e2e-annot-dst") == []
+        agent.cli("checkpoints", "rm", ckpt)
+    finally:
+        remove_pod(agent, src.id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -201,8 +202,9 @@ async def test_policy_limits_methods_and_namespaces(agent: Agent, pki: Pki) -> N
         assert info.pod_namespace == "prod"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.InspectCheckpoint(pb.InspectCheckpointRequest(checkpoint_id=kube.id), timeout=10)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert err.value.details() == "CN=autoscaler may not call InspectCheckpoint for namespace 'kube-system'"
+        # Another namespace's checkpoint is not found, exactly as one that does not exist.
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == f"checkpoint {kube.id} not found"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.RemoveCheckpoint(pb.RemoveCheckpointRequest(checkpoint_id=prod.id), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -230,16 +232,70 @@ async def test_restore_needs_both_the_source_and_the_target_namespace(agent: Age
     mover = pki.client("mover", "mover")
     async with tls_channel(agent, pki, mover) as ch:
         stub = pb_grpc.NodeAgentStub(ch)  # type: ignore[no-untyped-call]
-        for ckpt, target, denied in (
-            (agent.records["prod"], "staging", "staging"),
-            (agent.records["kube-system"], "prod", "kube-system"),
-            (agent.records["kube-system"], "", "kube-system"),
+        for ckpt, target, code, details in (
+            (agent.records["prod"], "staging", grpc.StatusCode.PERMISSION_DENIED,
+             "CN=mover may not call Restore for namespace 'staging'"),
+            (agent.records["kube-system"], "prod", grpc.StatusCode.NOT_FOUND,
+             f"checkpoint {agent.records['kube-system'].id} not found"),
+            (agent.records["kube-system"], "", grpc.StatusCode.NOT_FOUND,
+             f"checkpoint {agent.records['kube-system'].id} not found"),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Restore(pb.RestoreRequest(checkpoint_id=ckpt.id, namespace=target), timeout=10):
                     pass
-            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert err.value.details() == f"CN=mover may not call Restore for namespace {denied!r}"
+            assert (err.value.code(), err.value.details()) == (code, details)
+
+
+async def _answer(call: Any) -> tuple[Any, str]:
+    try:
+        result = call()
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _masked(text: str, *secrets: str) -> str:
+    for s in secrets:
+        text = text.replace(s, "<ref>")
+    return text
+
+
+async def test_no_existence_oracle_across_namespaces(agent: Agent, pki: Pki) -> None:
+    """What another namespace holds and what does not exist at all get the same answer."""
+    from node_agent.cri.types import Pod
+
+    pods = [Pod("ab" * 32, "web", "kube-system", "u1", 0, "SANDBOX_READY", 0),
+            Pod("cd" * 32, "web", "prod", "u2", 0, "SANDBOX_READY", 0)]
+
+    async def list_pods() -> list[Pod]:
+        return pods
+
+    agent.servicer.checkpointer.cri = SimpleNamespace(list_pods=list_pods)  # type: ignore[attr-defined]
+    kube = agent.records["kube-system"].id
+    missing = "sha256:" + ("f" * 63 if not kube.endswith("f") else "e" * 63) + "0"
+    auto = pki.client("auto", "autoscaler")
+    async with tls_channel(agent, pki, auto) as ch:
+        stub = pb_grpc.NodeAgentStub(ch)  # type: ignore[no-untyped-call]
+        pairs = [
+            # checkpoints by full id and by prefix
+            (lambda r: stub.InspectCheckpoint(pb.InspectCheckpointRequest(checkpoint_id=r), timeout=10), kube, missing),
+            (lambda r: stub.InspectCheckpoint(pb.InspectCheckpointRequest(checkpoint_id=r), timeout=10),
+             kube[7:17], missing[7:17]),
+            # pods by sandbox ID, by ID prefix, and by namespace/name
+            (lambda r: stub.Checkpoint(pb.CheckpointRequest(pod=r), timeout=10), "ab" * 32, "ef" * 32),
+            (lambda r: stub.Checkpoint(pb.CheckpointRequest(pod=r), timeout=10), "abab", "efef"),
+            (lambda r: stub.Checkpoint(pb.CheckpointRequest(pod=r), timeout=10), "kube-system/web", "kube-system/nope"),
+        ]
+        for call, there, absent in pairs:
+            a = await _answer(lambda: call(there))
+            b = await _answer(lambda: call(absent))
+            assert a[0] != grpc.StatusCode.OK
+            assert (a[0], _masked(a[1], there)) == (b[0], _masked(b[1], absent)), (there, a, b)
 
 
 async def test_the_cli_talks_to_the_tls_listener(agent: Agent, pki: Pki) -> None:
@@ -322,7 +378,8 @@ def open_dir() -> Any:
     shutil.rmtree(d, ignore_errors=True)
 
 
-async def test_local_socket_admits_root_and_the_group_only(open_dir: Path, pki: Pki) -> None:
+async def test_local_socket_admits_root_and_the_group_only(open_dir: Path, pki: Pki,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     assert os.geteuid() == 0, "this test runs peers as other users (setpriv), so it needs root"
     gid = 4242
     async with Agent(open_dir, pki, pki.server(), gid=gid) as agent:
@@ -337,6 +394,12 @@ async def test_local_socket_admits_root_and_the_group_only(open_dir: Path, pki: 
         os.chmod(sock, 0o666)
         refused = await asyncio.to_thread(probe, sock, *nobody)
         assert refused.startswith("PERMISSION_DENIED") and "admits only root and group 4242" in refused
+        # A refused user cannot flood the log: one WARNING per uid per interval, then a count.
+        with caplog.at_level(logging.WARNING, logger="node_agent.api.security"):
+            for _ in range(5):
+                assert (await asyncio.to_thread(probe, sock, *nobody)).startswith("PERMISSION_DENIED")
+        refusals = [r for r in caplog.records if "refused the local socket" in r.getMessage()]
+        assert len(refusals) <= 1, [r.getMessage() for r in refusals]
         assert await asyncio.to_thread(probe, sock, "--reuid=nobody", "--regid=nogroup", f"--groups={gid}") == "OK"
         assert await asyncio.to_thread(probe, sock, "--reuid=nobody", f"--regid={gid}", "--clear-groups") == "OK"
         # The server's own socket is out of reach.

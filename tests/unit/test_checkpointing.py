@@ -7,12 +7,13 @@ from node_agent.checkpointing import gpu_devices, parse_options, shm_source
 
 
 def test_documented_options_map_to_runc_flags() -> None:
-    f = parse_options({"tcp-established": "true", "file-locks": "", "ext-unix-sk": "false"})
+    f = parse_options({"tcp-established": "true", "file-locks": "true", "ext-unix-sk": "false"})
     assert f.runc_args() == ["--tcp-established", "--file-locks"]
     assert f.as_options() == {"tcp-established": "true", "file-locks": "true"}
 
 
-@pytest.mark.parametrize("opts", [{"bogus": "1"}, {"tcp-established": "maybe"}, {"leave-running": "true"}])
+@pytest.mark.parametrize("opts", [{"bogus": "1"}, {"tcp-established": "maybe"}, {"leave-running": "true"},
+                                  {"file-locks": ""}, {"pre-dump": "1"}, {"shell-job": "yes"}, {"ext-unix-sk": "True"}])
 def test_other_options_are_invalid(opts: dict[str, str]) -> None:
     with pytest.raises(errors.InvalidArgument):
         parse_options(opts)

@@ -63,3 +63,13 @@ def test_bad_option_syntax_is_a_usage_error(tmp_path: Path) -> None:
     env = dict(os.environ, NODE_AGENT_SOCKET=str(tmp_path / "none.sock"))
     cp = subprocess.run([NODE_AGENT, "checkpoint", "ns/p", "--option", "=x"], capture_output=True, text=True, env=env)
     assert cp.returncode == 2 and "KEY=VALUE" in cp.stderr
+
+
+def test_a_relative_socket_path_is_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from node_agent.cli.client import socket_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NODE_AGENT_SOCKET", raising=False)
+    assert socket_path("agent.sock") == str(tmp_path / "agent.sock")
+    monkeypatch.setenv("NODE_AGENT_SOCKET", "sub/agent.sock")
+    assert socket_path(None) == str(tmp_path / "sub" / "agent.sock")

@@ -68,3 +68,13 @@ def test_non_ascii_digits_are_not_a_port() -> None:
 
     with pytest.raises(InvalidArgument):
         host_port("127.0.0.1:\u00b2")  # "²".isdigit() is True, int("²") is not
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf", "1e400"])
+def test_timeouts_are_finite(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    for doc in (f"timeouts:\n  cleanup: {text}\n", f"devices:\n  clear-seconds: {text}\n"):
+        cfg.write_text(doc)
+        with pytest.raises(InvalidArgument) as e:
+            load(str(cfg))
+        assert "finite" in str(e.value)

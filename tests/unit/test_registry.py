@@ -413,6 +413,11 @@ def test_tls_with_a_custom_ca(tmp_path: Path, source: tuple[Store, str, dict[str
             pull(Store(tmp_path / "other"), registry.ref("ckpt/web:v1"), Credentials(ca_file=str(tmp_path / "missing.pem")))
         skip = pull(Store(tmp_path / "other"), registry.ref("ckpt/web:v1"), Credentials(insecure_skip_verify=True))
         assert skip.checkpoint_id == cid
+        # The bundle's contents instead of a path (what the CLI sends, for callers that may not name paths).
+        pem = Path(registry.ca_file).read_text()
+        assert pull(Store(tmp_path / "by-pem"), registry.ref("ckpt/web:v1"), Credentials(ca_pem=pem)).checkpoint_id == cid
+        with pytest.raises(InvalidArgument, match="not a usable PEM bundle"):
+            pull(Store(tmp_path / "other2"), registry.ref("ckpt/web:v1"), Credentials(ca_pem="not a certificate"))
 
 
 def test_tls_with_token_auth(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]]) -> None:

@@ -492,6 +492,30 @@ def test_file_source_reads_by_offset(tmp_path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("cut", [BLOCK + 1, BLOCK + 2999, BLOCK + 3000, 7 * BLOCK + 100])
+def test_file_source_skip_past_the_end_is_truncation_even_where_the_end_may_end_the_archive(
+    tmp_path: Path, cut: int
+) -> None:
+    # A member cut short and left unread (skipped, not read) must not pass for the end of the archive.
+    raw = (member(b"f", b"x" * 3000) + member(b"g", b"y" * 100) + END)[:cut]
+    path = tmp_path / "t.tar"
+    path.write_bytes(raw)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for eof_ends in (False, True):
+            reader = TarStream(FileSource(fd, len(raw)), eof_ends_archive=eof_ends)
+            with pytest.raises(InvalidInput, match="truncated"):
+                while reader.next() is not None:
+                    pass
+        source = FileSource(fd, 10)
+        source.skip(10)
+        with pytest.raises(InvalidInput, match="truncated"):
+            source.skip(1)
+        assert source.pos == 10
+    finally:
+        os.close(fd)
+
+
 def test_stream_source_skip_notices_the_end() -> None:
     source = StreamSource(io.BytesIO(b"x" * 10))
     source.skip(4)

@@ -252,18 +252,20 @@ class GarbageCollectResponse(_message.Message):
     def __init__(self, removed_checkpoints: _Optional[_Iterable[str]] = ..., removed_blobs: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., kept: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class RegistryCredentials(_message.Message):
-    __slots__ = ("username", "password", "ca_file", "plain_http", "insecure_skip_verify")
+    __slots__ = ("username", "password", "ca_file", "ca_pem", "plain_http", "insecure_skip_verify")
     USERNAME_FIELD_NUMBER: _ClassVar[int]
     PASSWORD_FIELD_NUMBER: _ClassVar[int]
     CA_FILE_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
     PLAIN_HTTP_FIELD_NUMBER: _ClassVar[int]
     INSECURE_SKIP_VERIFY_FIELD_NUMBER: _ClassVar[int]
     username: str
     password: str
     ca_file: str
+    ca_pem: str
     plain_http: bool
     insecure_skip_verify: bool
-    def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ..., ca_file: _Optional[str] = ..., plain_http: _Optional[bool] = ..., insecure_skip_verify: _Optional[bool] = ...) -> None: ...
+    def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ..., ca_file: _Optional[str] = ..., ca_pem: _Optional[str] = ..., plain_http: _Optional[bool] = ..., insecure_skip_verify: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("checkpoint_id", "reference", "credentials")
@@ -308,14 +310,30 @@ class TransferEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "container", "output_path")
+    __slots__ = ("checkpoint_id", "container", "output_path", "compression")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_PATH_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     container: str
     output_path: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., container: _Optional[str] = ..., output_path: _Optional[str] = ...) -> None: ...
+    compression: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., container: _Optional[str] = ..., output_path: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
+
+class ArchiveChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ImportChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ImportRequest
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ImportRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
     __slots__ = ("output_path", "size")

@@ -90,6 +90,16 @@ class NodeAgentStub:
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.ExportArchive = channel.unary_stream(
+                '/nodeagent.v1.NodeAgent/ExportArchive',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ArchiveChunk.FromString,
+                _registered_method=True)
+        self.ImportArchive = channel.stream_unary(
+                '/nodeagent.v1.NodeAgent/ImportArchive',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportChunk.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
         self.ListDevices = channel.unary_unary(
                 '/nodeagent.v1.NodeAgent/ListDevices',
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListDevicesRequest.SerializeToString,
@@ -168,6 +178,10 @@ class NodeAgentServicer:
 
     def Export(self, request, context):
         """Single-container archives in the layout CRI-O, Podman and checkpointctl use.
+        Export and Import name a path on the node, which the agent opens as
+        root: for root callers only (the local socket refuses them to the socket
+        group). ExportArchive and ImportArchive stream the archive instead, so
+        the caller reads and writes files with its own permissions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +189,20 @@ class NodeAgentServicer:
 
     def Import(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportArchive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportArchive(self, request_iterator, context):
+        """The first message is the header (an ImportRequest without input_path),
+        then the archive's bytes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -250,6 +278,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
             'Import': grpc.unary_unary_rpc_method_handler(
                     servicer.Import,
                     request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ExportArchive': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportArchive,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ArchiveChunk.SerializeToString,
+            ),
+            'ImportArchive': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportArchive,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ImportChunk.FromString,
                     response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.SerializeToString,
             ),
             'ListDevices': grpc.unary_unary_rpc_method_handler(
@@ -559,6 +597,60 @@ class NodeAgent:
             target,
             '/nodeagent.v1.NodeAgent/Import',
             nodeagent_dot_v1_dot_nodeagent__pb2.ImportRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportArchive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/ExportArchive',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ExportRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.ArchiveChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportArchive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/nodeagent.v1.NodeAgent/ImportArchive',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ImportChunk.SerializeToString,
             nodeagent_dot_v1_dot_nodeagent__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,
