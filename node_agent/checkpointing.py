@@ -562,10 +562,12 @@ class Checkpointer:
             if os.path.islink(parent):
                 os.unlink(parent)
             shutil.rmtree(os.path.join(t.dir, "work-predump"), ignore_errors=True)
-            # CRIU's own log is part of the checkpoint; the scratch dir is not.
+            # CRIU's own log and statistics are part of the checkpoint; the scratch dir is not.
             wdir = os.path.join(t.dir, "work")
             if os.path.exists(os.path.join(wdir, "dump.log")):
                 os.replace(os.path.join(wdir, "dump.log"), os.path.join(t.dir, "dump.log"))
+            if os.path.exists(os.path.join(wdir, "stats-dump")):  # the images dir is where readers look
+                os.replace(os.path.join(wdir, "stats-dump"), os.path.join(t.dir, "checkpoint", "stats-dump"))
             shutil.rmtree(wdir, ignore_errors=True)
 
     def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:

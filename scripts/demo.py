@@ -53,7 +53,8 @@ def main() -> int:
 
     say("a private containerd node (scripts/testbed) with the restore handler")
     bed = bring_up(BED, work, images="busybox,memhog")
-    print(f"containerd: {bed.info['containerd_socket']}  runc root: {bed.runc_root}  pods on {bed.info['subnet']}")
+    print(f"containerd {bed.info['containerd_version']} (config version {bed.info['config_version']}), "
+          f"runc {bed.info['runc_version']}: {bed.info['containerd_socket']}  pods on {bed.info['subnet']}")
     bed.start_agent()
     print(f"node-agent serve --config {bed.config}   (log: {bed.agent_log})")
     try:

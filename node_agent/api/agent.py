@@ -334,8 +334,6 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, scratch, True))
 
     async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        from node_agent import interop
-
         if not os.path.isabs(request.input_path):
             await abort_with(context, errors.InvalidArgument("the input path must be absolute"))
         return await self._import(context, request.input_path, request)

@@ -1,7 +1,8 @@
 """`node-agent containerd-config`: the restore handler's containerd snippet.
 
-Prints the tables to append to a containerd 1.6/1.7 (`version = 2`) config,
-and installs the runtime launcher the snippet names, so the two always agree.
+Prints the tables to append to containerd's config, for that file's version
+(2: containerd 1.6/1.7; 3: containerd 2.x), and installs the runtime launcher
+the snippet names, so the two always agree.
 The launcher serves the restore plans of the store these settings name: it
 must be run with the settings `serve` runs with (the same `--config`), and
 the agent checks that it was (docs/install.md).
@@ -14,28 +15,22 @@ import os
 import sys
 from typing import Any, Callable
 
-from criu_bridge.wrapper import PLAN_ANNOTATION
+CONTAINERD_CONFIG = "/etc/containerd/config.toml"
+
+from node_agent import containerd
 from node_agent.config import Settings
 from node_agent.errors import InvalidArgument
 
 
-def snippet(s: Settings, *, systemd_cgroup: bool = False) -> str:
+def snippet(s: Settings, version: int, *, systemd_cgroup: bool = False) -> str:
+    """The restore handler's tables for a containerd config of `version` (2 or 3)."""
     root = s.runc_root.rstrip("/")
     if os.path.basename(root) != "k8s.io":
         raise InvalidArgument(
             f"runc-root {s.runc_root} must end in /k8s.io: containerd's runc shim appends the CRI namespace to Root"
         )
-    table = f'plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{s.runtime_handler}'
-    return (
-        f"[{table}]\n"
-        f'  runtime_type = "io.containerd.runc.v2"\n'
-        f"  # The wrapper refuses to start a restored container whose plan it lacks.\n"
-        f'  container_annotations = ["{PLAN_ANNOTATION}"]\n'
-        f"[{table}.options]\n"
-        f'  BinaryName = "{os.path.abspath(s.wrapper_path)}"\n'
-        f'  Root = "{os.path.abspath(os.path.dirname(root))}"\n'
-        f"  SystemdCgroup = {'true' if systemd_cgroup else 'false'}\n"
-    )
+    return containerd.handler_tables(version, s.runtime_handler, binary=os.path.abspath(s.wrapper_path),
+                                     root=os.path.abspath(os.path.dirname(root)), systemd_cgroup=systemd_cgroup)
 
 
 def add_parser(sub: Any, settings_parent: argparse.ArgumentParser | None = None, settings_from: Callable[..., Settings] | None = None) -> None:
@@ -57,6 +52,12 @@ def add_parser(sub: Any, settings_parent: argparse.ArgumentParser | None = None,
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--runc-root", metavar="DIR")
     p.add_argument("--runc", metavar="PATH")
+    p.add_argument("--containerd-config", metavar="FILE", default=CONTAINERD_CONFIG,
+                   help=f"containerd's config, whose version (2 or 3) the tables are for (default {CONTAINERD_CONFIG}); "
+                        "its runc handler's SystemdCgroup is followed too")
+    p.add_argument("--config-version", type=int, choices=containerd.VERSIONS,
+                   help="write for this config version instead of reading it from --containerd-config "
+                        "(2: containerd 1.6/1.7, 3: containerd 2.x)")
     p.add_argument("--systemd-cgroup", action="store_true", help="set SystemdCgroup = true (match the node's runc handler)")
     p.add_argument("--no-install", action="store_true", help="only print; don't write the launcher")
 
@@ -65,7 +66,13 @@ def add_parser(sub: Any, settings_parent: argparse.ArgumentParser | None = None,
 
         assert settings_from is not None
         s = settings_from(args)
-        text = snippet(s, systemd_cgroup=args.systemd_cgroup)
+        version, cgroup = args.config_version, args.systemd_cgroup
+        if version is None:
+            # Read from the file, never guessed: containerd 2.x ignores tables of the wrong version.
+            version = containerd.version_of_file(args.containerd_config)
+            with open(args.containerd_config, encoding="utf-8") as fh:
+                cgroup = cgroup or containerd.systemd_cgroup(containerd.parse(fh.read(1 << 20)), version)
+        text = snippet(s, version, systemd_cgroup=cgroup)
         if not args.no_install:
             prepare_dirs(s)
             install_wrapper(s)

@@ -115,6 +115,10 @@ def _cri_check(s: Settings) -> Check:
 
     try:
         name, ver = asyncio.run(probe())
+        if name == "containerd" and ver.lstrip("v").startswith("1.6"):
+            return Check("cri", "WARN", f"{s.cri_endpoint}: {name} {ver}: untested (containerd 1.6 reached its end "
+                                        "of life in 2025; node-agent is tested on 2.1 and 1.7)",
+                         "upgrade containerd to 2.x")
         return Check("cri", "OK", f"{s.cri_endpoint}: {name} {ver}")
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return Check("cri", "WARN", f"{s.cri_endpoint} not reachable ({str(exc).splitlines()[0][:160]}); start containerd or pass --cri-endpoint")
@@ -456,18 +460,31 @@ def _handler_checks(s: Settings, config_path: str, host_root: str) -> list[Check
 
     where = _host(host_root, config_path)
     fix = "run `node-agent install-handler` (DaemonSet: its init container) or append `node-agent containerd-config`, then restart containerd"
+    from node_agent import containerd
+    from node_agent.errors import AgentError
+
     try:
         with open(where, "rb") as fh:
             doc = tomllib.load(fh)
+        version = containerd.version_of(doc, config_path)
     except FileNotFoundError:
         return [Check("handler", "FAIL", f"no containerd config at {config_path}", fix)]
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, AgentError) as exc:
         return [Check("handler", "FAIL", f"cannot read {config_path}: {exc}", "fix containerd's config")]
-    runtimes = doc.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
-    rt = runtimes.get(s.runtime_handler)
+    rt = containerd.runtimes(doc, version).get(s.runtime_handler)
     if not isinstance(rt, dict):
-        return [Check("handler", "FAIL", f"runtime handler {s.runtime_handler!r} is not in {config_path}", fix)]
+        other = 3 if version == 2 else 2
+        hint = (f" (its tables are written for version {other}, which this version-{version} file ignores)"
+                if isinstance(containerd.runtimes(doc, other).get(s.runtime_handler), dict) else "")
+        return [Check("handler", "FAIL", f"runtime handler {s.runtime_handler!r} is not in {config_path}{hint}",
+                      fix.replace("`node-agent containerd-config`",
+                                  f"`node-agent containerd-config --containerd-config {config_path}`"))]
     out: list[Check] = []
+    if version == 3 and rt.get("sandboxer", containerd.SANDBOXER) != containerd.SANDBOXER:
+        out.append(Check("handler sandboxer", "FAIL",
+                         f"{s.runtime_handler!r} has sandboxer = {rt.get('sandboxer')!r}; a restore needs "
+                         f"{containerd.SANDBOXER!r} (a pause-container sandbox)",
+                         f'set sandboxer = "{containerd.SANDBOXER}" in its table'))
     opts = rt.get("options", {})
     binary = str(opts.get("BinaryName", ""))
     root = str(opts.get("Root", ""))

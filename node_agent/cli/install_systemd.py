@@ -11,7 +11,7 @@ puts three things on the host, under `--root` (default `/`):
 * CRIU >= 4.2 when the host lacks it: the private prefix that
   scripts/install-host builds (`--criu-bundle`, default
   /opt/node-agent/criu) and the launcher `/usr/local/sbin/criu`;
-* the handler's tables in containerd's config (`version = 2`), between two
+* the handler's tables in containerd's config (version 2 or 3, the file's own), between two
   marker lines, replaced on every run; containerd must be restarted to load
   them.
 
@@ -31,11 +31,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from node_agent import containerd
 from node_agent.config import DEFAULT_CONFIG_PATH, Settings
 from node_agent.errors import FailedPrecondition, InvalidArgument
 
@@ -189,49 +189,47 @@ def _handler_block(snippet_text: str) -> str:
     return f"{BEGIN}\n{snippet_text.rstrip()}\n{END}\n"
 
 
-def merge_containerd_config(current: str | None, snippet_text: str) -> str:
-    """containerd's config with the handler block added or replaced.
+def merge_containerd_config(current: str | None, snippet_text: str, version: int) -> str:
+    """containerd's config with the handler block added or replaced (a new config gets `version`).
 
-    A config that is not `version = 2` (containerd 1.6/1.7) is refused; one
-    that already defines the handler outside the block is refused too.
+    The file's own version must be `version` (containerd 2.x ignores tables
+    of the other layout); a config that already defines the handler outside
+    the block is refused.
     """
     if current is None or not current.strip():
-        return "version = 2\n\n" + _handler_block(snippet_text)
+        return f"version = {version}\n\n" + _handler_block(snippet_text)
     block = re.compile(rf"(?ms)^{re.escape(BEGIN)}\n.*?^{re.escape(END)}\n?")
     rest = block.sub("", current)
-    try:
-        doc = tomllib.loads(rest)
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidArgument(f"containerd's config is not valid TOML: {exc}") from exc
-    if doc.get("version") != 2:
-        raise FailedPrecondition(
-            f"containerd's config has version = {doc.get('version', 1)}; only version = 2 (containerd 1.6/1.7) is supported: "
-            "add the tables of `node-agent containerd-config` by hand"
-        )
-    new = tomllib.loads(snippet_text)
-    handler = next(iter(new["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]))
-    runtimes = doc.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
-    if handler in runtimes:
+    doc = containerd.parse(rest)
+    have = containerd.version_of(doc)
+    if have != version:
+        raise FailedPrecondition(f"containerd's config has version = {have}, the handler's tables are for version {version}")
+    handler = next(iter(containerd.runtimes(containerd.parse(snippet_text), version)))
+    if handler in containerd.runtimes(doc, version):
         raise FailedPrecondition(f"containerd's config already defines runtime {handler!r} outside node-agent's block; remove it first")
     merged = rest.rstrip("\n") + "\n\n" + _handler_block(snippet_text)
-    tomllib.loads(merged)
+    containerd.parse(merged)
     return merged
 
 
-def systemd_cgroup_of(config_text: str | None) -> bool:
-    """Whether the node's runc handler uses the systemd cgroup driver (the restore handler must match)."""
-    if not config_text:
-        return False
-    try:
-        doc = tomllib.loads(config_text)
-    except tomllib.TOMLDecodeError:
-        return False
-    runtimes = doc.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
-    runc = runtimes.get("runc", {})
-    return bool(runc.get("options", {}).get("SystemdCgroup", False))
+def config_version(root: str, current: str | None, given: int | None) -> int:
+    """The version of containerd's config to write for: the file's own, else `given`, else the host containerd's."""
+    if current is not None and current.strip():
+        version = containerd.version_of(containerd.parse(current))
+        if given is not None and given != version:
+            raise FailedPrecondition(f"containerd's config has version = {version}, not {given}")
+        return version
+    if given is not None:
+        return given
+    binary = shutil.which("containerd", path=":".join(_under(root, d) for d in ("/usr/local/bin", "/usr/bin", "/bin")))
+    if binary is None:
+        raise FailedPrecondition("containerd's config does not exist and no containerd is on the host to tell its "
+                                 "version: give --config-version 2 (containerd 1.6/1.7) or 3 (containerd 2.x)")
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.split()
+    return containerd.version_for_binary(out[2] if len(out) > 2 else "")
 
 
-def register_handler(root: str, s: Settings, config_path: str, report: Report) -> None:
+def register_handler(root: str, s: Settings, config_path: str, report: Report, given_version: int | None = None) -> None:
     from node_agent.cli.containerd_config import snippet
 
     path = _under(root, config_path)
@@ -239,7 +237,9 @@ def register_handler(root: str, s: Settings, config_path: str, report: Report) -
         current: str | None = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         current = None
-    text = merge_containerd_config(current, snippet(s, systemd_cgroup=systemd_cgroup_of(current)))
+    version = config_version(root, current, given_version)
+    cgroup = bool(current) and containerd.systemd_cgroup(containerd.parse(current or ""), version)
+    text = merge_containerd_config(current, snippet(s, version, systemd_cgroup=cgroup), version)
     changed = _write(path, text, 0o644 if current is None else os.stat(path).st_mode & 0o7777)
     report.file(path, changed)
     if changed:
@@ -291,7 +291,8 @@ def install_runtime(root: str, bundle: str, report: Report) -> str:
 
 
 def install_handler(root: str, s: Settings, *, containerd_config: str = CONTAINERD_CONFIG, criu_bundle: str = CRIU_PREFIX,
-                    runtime_bundle: str | None = None, force_criu: bool = False) -> Report:
+                    runtime_bundle: str | None = None, force_criu: bool = False,
+                    config_version: int | None = None) -> Report:
     report = Report()
     root = os.path.abspath(root)
     if runtime_bundle:
@@ -303,7 +304,7 @@ def install_handler(root: str, s: Settings, *, containerd_config: str = CONTAINE
         python = s.wrapper_python or sys.executable
     install_wrapper(root, s, python, report)
     install_criu(root, criu_bundle, report, force=force_criu)
-    register_handler(root, s, containerd_config, report)
+    register_handler(root, s, containerd_config, report, config_version)
     return report
 
 
@@ -341,9 +342,13 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser, settings_from: Callab
         p.add_argument("--criu-bundle", metavar="DIR", default=CRIU_PREFIX,
                        help=f"CRIU prefix to install when the host has no CRIU >= 4.2 (default {CRIU_PREFIX}; 'none' to skip)")
         p.add_argument("--force-criu", action="store_true", help="install the CRIU bundle even if the host has CRIU >= 4.2")
+        p.add_argument("--config-version", type=int, choices=containerd.VERSIONS,
+                       help="the version of containerd's config to write, when the file does not exist yet "
+                            "(default: the host containerd's: 2 for 1.6/1.7, 3 for 2.x)")
 
     def handler_args(args: argparse.Namespace) -> dict[str, Any]:
-        return {"containerd_config": args.containerd_config, "criu_bundle": args.criu_bundle, "force_criu": args.force_criu}
+        return {"containerd_config": args.containerd_config, "criu_bundle": args.criu_bundle, "force_criu": args.force_criu,
+                "config_version": args.config_version}
 
     p = sub.add_parser("install-systemd", parents=[parent],
                        help="install the systemd unit, the restore wrapper, CRIU if needed and the containerd handler",

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from node_agent import errors
+from node_agent import errors, strictjson
 from node_agent.checkpointing import METADATA_KIND
 from node_agent.interop import common as c
 from node_agent.interop.tarfmt import TarWriter, Writable
@@ -96,6 +96,49 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
+
+
+def status_dump(store: Store, record: CheckpointRecord, container: str) -> bytes:
+    """status.dump: the container's CRI ContainerStatus as containerd 2.x writes and reads it (Go JSON).
+
+    Made from config.dump (the CRI config, the image and its reference, the
+    creation time): containerd's restore takes the container's name, labels,
+    annotations and image from it; checkpointctl shows it.
+    """
+    path = f"containers/{container}/{c.CONFIG_DUMP}"
+    with store.open(record.id, path) as fh:
+        if fh.size > 16 << 20:
+            raise errors.DataLoss(f"checkpoint {record.id}: {path} is larger than 16 MiB")
+        raw = fh.read(fh.size)
+    try:
+        doc = strictjson.loads(raw)
+    except strictjson.StrictJsonError as exc:
+        raise errors.DataLoss(f"checkpoint {record.id}: {path} {exc}") from exc
+    if not isinstance(doc, Mapping):
+        raise errors.DataLoss(f"checkpoint {record.id}: {path} is not a JSON object")
+    raw_cfg = doc.get("config")
+    cfg: Mapping[str, Any] = raw_cfg if isinstance(raw_cfg, Mapping) else {}
+    created = 0
+    try:
+        created = int(datetime.fromisoformat(str(doc.get("createdTime", "")).replace("Z", "+00:00")).timestamp() * 1e9)
+    except ValueError:
+        pass
+    raw_meta = cfg.get("metadata")
+    meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, Mapping) else {}
+    status = {
+        "id": str(doc.get("id", "")),
+        "metadata": {"name": str(meta.get("name") or container), "attempt": int(meta.get("attempt") or 0)},
+        "state": 1,  # CONTAINER_RUNNING: it ran when it was checkpointed
+        "created_at": created,
+        "started_at": created,
+        "image": {"image": str(doc.get("rootfsImageName") or "")},
+        "image_ref": str(doc.get("rootfsImageRef") or ""),
+        "labels": dict(cfg.get("labels") or {}),
+        "annotations": dict(cfg.get("annotations") or {}),
+        "mounts": list(cfg.get("mounts") or []),
+        "log_path": str(doc.get("log_path") or ""),
+    }
+    return json.dumps(status, sort_keys=True).encode()
 
 
 def own_manifest(record: CheckpointRecord, container: str) -> bytes:
@@ -195,6 +238,7 @@ def export_container(
         raise errors.InvalidArgument(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
     members = _members(record, container)
     manifest = own_manifest(record, container)
+    status = status_dump(store, record, container)
     out_path = os.path.abspath(out_path)
     directory, base = os.path.split(out_path)
     if not base:
@@ -218,6 +262,7 @@ def export_container(
                         continue
                     with store.open(record.id, spath) as fh:
                         tw.add_file(arc, entry.mode, fh.size, fh)
+                tw.add_bytes(c.STATUS_DUMP, 0o600, status)
                 tw.close()
             raw.flush()
             os.fsync(raw.fileno())

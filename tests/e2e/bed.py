@@ -133,13 +133,30 @@ def testbed(*args: str, timeout: float = 600) -> str:
     return cp.stdout
 
 
-def bring_up(name: str, workdir: Path, containerd: str | None = None, handler_store: str | None = None,
-             images: str | None = None) -> Bed:
+def containerd_config_version(binary: str) -> int:
+    """The config version the containerd `binary` reads (3 for 2.x, 2 for 1.x)."""
+    from node_agent.containerd import version_for_binary
+
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return version_for_binary(out[2] if len(out) > 2 else "")
+
+
+CONTAINERD2 = os.environ.get("NODE_AGENT_E2E_CONTAINERD2", "/opt/node-agent/containerd-2/bin/containerd")
+CONTAINERD17 = os.environ.get("NODE_AGENT_E2E_CONTAINERD17", "/opt/node-agent/containerd-1.7/bin/containerd")
+
+
+def bring_up(name: str, workdir: Path, containerd: str | None = CONTAINERD2, handler_store: str | None = None,
+             images: str | None = None, runc: str | None = None) -> Bed:
     """A test bed named `name` with the agent's restore handler, and the agent's config.
-    `containerd`: the containerd binary the bed runs (default: the system's).
-    `handler_store`: write the handler for this store instead of the agent's (the easy
-    mistake: `containerd-config` run without the agent's settings).
+    `containerd`: the containerd binary the bed runs (default: 2.x from its private prefix; None: the
+    system's). `runc`: the runc both containerd and the agent run (default: the one beside a 2.x
+    containerd, else the system's). `handler_store`: write the handler for this store instead of the
+    agent's (the easy mistake: `containerd-config` run without the agent's settings).
     `images`: the images to import (`scripts/testbed up --images`; default all)."""
+    assert containerd is None or os.access(containerd, os.X_OK), f"{containerd} missing: run scripts/install-host"
+    version = containerd_config_version(containerd or "containerd")
+    if runc is None and version == 3:
+        runc = os.path.join(os.path.dirname(containerd or ""), "runc")
     store = str(workdir / "store")
     sock = str(workdir / "agent.sock")
     cri_sock = str(workdir / "cri.sock")
@@ -150,10 +167,12 @@ def bring_up(name: str, workdir: Path, containerd: str | None = None, handler_st
         "\n".join([
             f"cri-endpoint: {endpoint}", f"socket: {sock}", f"store: {store}", f"runc-root: {runc_root}",
             "runtime-handler: criu", "log-level: debug", f"cri-listen: unix://{cri_sock}",
+            *([f"runc: {runc}"] if runc else []),
         ]) + "\n"
     )
     snippet = workdir / "handler.toml"
     extra_args = ["--store", handler_store] if handler_store else []
+    extra_args += ["--config-version", str(version)]
     cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config), *extra_args],
                         capture_output=True, text=True)
     if cp.returncode != 0:
@@ -161,6 +180,7 @@ def bring_up(name: str, workdir: Path, containerd: str | None = None, handler_st
     snippet.write_text(cp.stdout)
     extra = ["--containerd", containerd] if containerd else []
     extra += ["--images", images] if images else []
+    extra += ["--runc", runc] if runc else []
     info = json.loads(testbed("up", name, "--handler-snippet", str(snippet), *extra))
     assert info["runc_root"] == runc_root, info
     with config.open("a") as fh:

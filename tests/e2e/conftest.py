@@ -11,12 +11,17 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e.bed import Bed, bring_up, testbed
+from tests.e2e.bed import CONTAINERD17, Bed, bring_up, testbed
 from tests.e2e.tap import EventTap
 
 BED_NAME = os.environ.get("NODE_AGENT_E2E_BED", "na-e2e")
 # containerd 1.7 from its private prefix (scripts/install-host).
-CONTAINERD17 = os.environ.get("NODE_AGENT_E2E_CONTAINERD17", "/opt/node-agent/containerd-1.7/bin/containerd")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked `also17` get the `agent` on containerd 2.1 and, again, on 1.7."""
+    if "agent" in metafunc.fixturenames and metafunc.definition.get_closest_marker("also17"):
+        metafunc.parametrize("agent", ["containerd-2.1", "containerd-1.7"], indirect=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -40,8 +45,11 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 
 @pytest.fixture
-def agent(bed: Bed) -> Iterator[Bed]:
-    """The bed with its agent running (restarted if a test killed it)."""
+def agent(request: pytest.FixtureRequest) -> Iterator[Bed]:
+    """The bed (containerd 2.1; 1.7 for the second run of an `also17` test) with its agent running
+    (restarted if a test killed it)."""
+    bed: Bed = request.getfixturevalue("bed17")[0] if getattr(request, "param", "") == "containerd-1.7" \
+        else request.getfixturevalue("bed")
     if bed.agent is None or bed.agent.poll() is not None:
         bed.start_agent()
     yield bed

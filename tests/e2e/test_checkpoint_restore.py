@@ -6,6 +6,8 @@ import json
 import os
 import re
 
+import pytest
+
 from tests.e2e.bed import (
     Bed, ask, container_detail, counter_pod, freezer_state, pod_detail, pods_in, remove_pod, ticks, wait_for,
 )
@@ -15,6 +17,7 @@ def _log(pod_log_dir: str, name: str) -> str:
     return os.path.join(pod_log_dir, name, "0.log")
 
 
+@pytest.mark.also17
 def test_pod_checkpoint_and_restore_into_another_namespace(agent: Bed) -> None:
     src = counter_pod(agent, "e2e-src")
     try:

@@ -83,6 +83,7 @@ def _code(fn: Callable[[], Any]) -> grpc.aio.AioRpcError:
     return info.value
 
 
+@pytest.mark.also17
 def test_pod_run_listed_checkpointed_and_restored_through_the_endpoint(agent: Bed, tmp_path: Path) -> None:
     src = pod_via_agent(agent, "e2e-cri", [shell(agent)])
     dst_id = ""
@@ -359,6 +360,7 @@ def test_image_fs_info_and_container_events_pass_through(agent: Bed) -> None:
     asyncio.run(go())
 
 
+@pytest.mark.also17
 def test_a_pod_annotated_restore_from_comes_up_restored(agent: Bed) -> None:
     src = pod_via_agent(agent, "e2e-cri", [shell(agent)])
     new: PodHandle | None = None

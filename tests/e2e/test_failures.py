@@ -36,6 +36,7 @@ def _leftovers(bed: Bed) -> list[str]:
     return [p for p in glob.glob(os.path.join(bed.store, "work", "*")) + glob.glob(os.path.join(bed.store, "journal", "*"))]
 
 
+@pytest.mark.also17
 @pytest.mark.parametrize("moment", ["frozen", "dumping"])
 def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
     """SIGKILL the agent right after the freeze, or while CRIU is dumping."""
@@ -92,10 +93,16 @@ def test_deadline_exceeded_resumes_pod_and_keeps_nothing(agent: Bed) -> None:
             cp = agent.cli("checkpoint", pod.id, "--timeout", timeout, check=False)
             assert cp.returncode != 0
             assert "DEADLINE_EXCEEDED" in cp.stderr, cp.stderr
-            assert freezer_state(server.pid) == "THAWED"
+            # Thawed at once by the agent and kept thawed by the watchdog; while CRIU is still letting go
+            # of the tasks it seized it may re-freeze the cgroup for a moment (docs/architecture.md), so
+            # the bound is the watchdog's, as for a killed agent: thawed within 2 s, and for good once
+            # CRIU is gone.
+            wait_for(lambda: freezer_state(server.pid) == "THAWED", timeout=2, interval=0.01, what="the thaw")
             n = max(ticks(server.log_path))
             wait_for(lambda: max(ticks(server.log_path)) > n, timeout=30, what="the pod to keep ticking")
             wait_for(lambda: not _leftovers(agent), timeout=30, what=f"scratch files to go: {_leftovers(agent)}")
+            wait_for(lambda: not _criu_procs(), timeout=60, what="CRIU to finish")
+            assert freezer_state(server.pid) == "THAWED"
             assert _ids(agent) == before
         wait_for(lambda: not _criu_procs(), timeout=30, what="CRIU to exit")
         time.sleep(0.3)

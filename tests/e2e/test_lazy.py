@@ -53,6 +53,7 @@ def checkpointed(agent: Bed, request: pytest.FixtureRequest) -> Iterator[tuple[P
         remove_pod(agent, pod.id)
 
 
+@pytest.mark.also17
 def test_a_lazily_restored_workload_has_the_same_memory(agent: Bed, checkpointed: tuple[PodHandle, str, str]) -> None:
     _pod, ckpt, before = checkpointed
     out = agent.cli("restore", ckpt, "--namespace", "e2e-lazy-dst", "--lazy", "--start").stdout.split()

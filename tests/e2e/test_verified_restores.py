@@ -111,6 +111,7 @@ def test_doctor_fails_and_serve_warns_on_a_node_whose_handler_serves_another_sto
 # ---- the mark: a restored container never starts from its image ----------------------------
 
 
+@pytest.mark.also17
 def test_a_marked_container_without_its_plan_is_refused_by_the_wrapper_with_the_agent_stopped(agent: Bed) -> None:
     src = counter_pod(agent, "e2e-mark", flip=False)
     new_pod = ""
@@ -185,6 +186,7 @@ def _host_namespaces(pod: dict[str, Any], containers: dict[str, dict[str, Any]])
         "namespace_options", {})["ipc"] = 2
 
 
+@pytest.mark.also17
 def test_a_checkpoint_asking_for_host_access_is_refused_by_name_and_restores_when_allowed(
         agent: Bed, tmp_path: Path) -> None:
     imgs = agent.info["images"]
@@ -197,6 +199,7 @@ def test_a_checkpoint_asking_for_host_access_is_refused_by_name_and_restores_whe
     ], mounts=[{"container_path": "/data", "host_path": volume_dir(agent, uid, "data")}])], uid=uid)
     made: list[str] = []
     new_pod = ""
+    cdi_spec = Path(agent.info["cdi_dir"], "e2e-host-access.json")
     try:
         wait_for(lambda: len(ticks(container_detail(agent, src.containers["shell"]).log_path)) >= 3, what="ticks")
         genuine = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
@@ -225,7 +228,13 @@ def test_a_checkpoint_asking_for_host_access_is_refused_by_name_and_restores_whe
             assert cp.returncode != 0 and "INVALID_ARGUMENT" in cp.stderr, cp.stderr
         assert pods_in(agent, "e2e-host-dst") == []
 
-        # Allowed: the same checkpoint restores, and the restored process really sees the host directory.
+        # Allowed: the same checkpoint restores, and the restored process really sees the host directory
+        # and gets the CDI devices, which the bed's own spec resolves to /dev/null.
+        cdi_spec.write_text(json.dumps({
+            "cdiVersion": "0.5.0", "kind": "vendor.example/gpu",
+            "devices": [{"name": n, "containerEdits": {"deviceNodes": [
+                {"path": f"/dev/e2e-gpu{n}", "hostPath": "/dev/null"}]}} for n in ("0", "1")],
+        }))
         out = agent.cli("restore", everything, "--namespace", "e2e-host-dst", "--start",
                         "--option", "allow-host-access=true").stdout.split()
         new_pod, cid = out[0], out[2]
@@ -234,6 +243,12 @@ def test_a_checkpoint_asking_for_host_access_is_refused_by_name_and_restores_whe
         first = wait_for(lambda: ticks(d.log_path), what="restored ticks")[0]
         assert first > 3, f"the counter restarted: first tick {first}"
         assert Path(f"/proc/{d.pid}/root/data/secret.txt").read_text() == "host only\n"
+        # The devices are in the container's OCI spec, so its device cgroup allows them (/dev itself is
+        # the checkpoint's: CRIU restores that tmpfs as it was).
+        spec = json.loads(Path(agent.info["state"], "containerd", "io.containerd.runtime.v2.task", "k8s.io",
+                               cid, "config.json").read_text())
+        paths = {dev["path"] for dev in spec["linux"].get("devices", [])}
+        assert {"/dev/e2e-gpu0", "/dev/e2e-gpu1", "/dev/xnull"} <= paths, paths
         # No annotation of the checkpoint reached the container, only the restore's own mark.
         ann = d.container.annotations
         assert "cdi.k8s.io/e2e" not in ann and ann.get(PLAN_ANNOTATION), ann
@@ -244,6 +259,7 @@ def test_a_checkpoint_asking_for_host_access_is_refused_by_name_and_restores_whe
         for ckpt in made:
             agent.cli("checkpoints", "rm", ckpt, check=False)
         subprocess.run(["rm", "-rf", os.path.join(agent.info["kubelet_root"], "pods", uid)], check=False)
+        cdi_spec.unlink(missing_ok=True)
 
 
 def test_a_pods_own_volume_needs_no_permission(agent: Bed) -> None:

@@ -17,24 +17,27 @@ from node_agent.errors import InvalidArgument
 NODE_AGENT = str(Path(sys.executable).parent / "node-agent")
 
 
-def test_containerd_snippet_is_only_the_handler_tables_with_absolute_paths() -> None:
-    text = snippet(Settings(store="/srv/na", runtime_handler="restore", runc_root="/run/x/runc/k8s.io"))
+@pytest.mark.parametrize("version, plugin", [(2, "io.containerd.grpc.v1.cri"), (3, "io.containerd.cri.v1.runtime")])
+def test_containerd_snippet_is_only_the_handler_tables_with_absolute_paths(version: int, plugin: str) -> None:
+    text = snippet(Settings(store="/srv/na", runtime_handler="restore", runc_root="/run/x/runc/k8s.io"), version)
     assert "version" not in text
     doc = tomllib.loads(text)
-    runtime = doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["restore"]
+    runtime = doc["plugins"][plugin]["containerd"]["runtimes"]["restore"]
     assert runtime["runtime_type"] == "io.containerd.runc.v2"
     assert runtime["options"] == {"BinaryName": "/srv/na/bin/node-agent-runc", "Root": "/run/x/runc", "SystemdCgroup": False}
+    assert runtime["container_annotations"] == ["node-agent.io/restore-plan"]
+    assert runtime.get("sandboxer") == ("podsandbox" if version == 3 else None)
     assert list(doc) == ["plugins"]
 
 
 def test_containerd_snippet_refuses_a_runc_root_the_shim_cannot_produce() -> None:
     with pytest.raises(InvalidArgument, match="k8s.io"):
-        snippet(Settings(runc_root="/run/runc"))
+        snippet(Settings(runc_root="/run/runc"), 2)
 
 
 def test_containerd_config_command_installs_the_launcher(tmp_path: Path) -> None:
-    cp = subprocess.run([NODE_AGENT, "containerd-config", "--store", str(tmp_path / "s"), "--runtime-handler", "criu"],
-                        capture_output=True, text=True)
+    cp = subprocess.run([NODE_AGENT, "containerd-config", "--store", str(tmp_path / "s"), "--runtime-handler", "criu",
+                         "--config-version", "2"], capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
     launcher = tmp_path / "s" / "bin" / "node-agent-runc"
     assert f'BinaryName = "{launcher}"' in cp.stdout

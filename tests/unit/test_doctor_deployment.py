@@ -128,7 +128,7 @@ def test_handler_present_with_wrapper_runnable_on_the_host(tmp_path: Path) -> No
 
 def test_handler_root_must_match_runc_root(tmp_path: Path) -> None:
     s = Settings(runc=RUNC, store=str(tmp_path / "store"))
-    text = "version = 2\n" + snippet(Settings(store=str(tmp_path / "store"), runc_root="/run/other/runc/k8s.io"))
+    text = "version = 2\n" + snippet(Settings(store=str(tmp_path / "store"), runc_root="/run/other/runc/k8s.io"), 2)
     cfg = tmp_path / "config.toml"
     cfg.write_text(text)
     from node_agent.daemon import install_wrapper, prepare_dirs
@@ -189,3 +189,24 @@ def test_in_a_container_the_store_must_come_from_the_host(tmp_path: Path) -> Non
     assert checks["mount store"].verdict == "OK" and checks["mount /dev"].verdict == "OK"
     # On the host itself, the same store is simply there.
     assert _by_name(doctor._mount_checks(s, image_only, contained=False))["mount store"].verdict == "OK"
+
+
+def test_a_version_3_handler_is_read_and_its_sandboxer_checked(tmp_path: Path) -> None:
+    from node_agent.cli import install_systemd as inst
+
+    s = Settings(runc=RUNC)
+    root = _host(tmp_path, s, "version = 3\n")
+    inst.install_handler(str(root), s, criu_bundle="none")
+    cfg = root / "etc/containerd/config.toml"
+    checks = _by_name(doctor._handler_checks(s, "/etc/containerd/config.toml", str(root)))
+    assert checks["handler"].verdict == "OK" and "handler sandboxer" not in checks
+    cfg.write_text(cfg.read_text().replace('sandboxer = "podsandbox"', 'sandboxer = "shim"'))
+    checks = _by_name(doctor._handler_checks(s, "/etc/containerd/config.toml", str(root)))
+    assert checks["handler sandboxer"].verdict == "FAIL" and "'shim'" in checks["handler sandboxer"].detail
+
+
+def test_version_2_tables_in_a_version_3_file_are_named_as_ignored(tmp_path: Path) -> None:
+    s = Settings(runc=RUNC)
+    root = _host(tmp_path, s, "version = 3\n\n" + snippet(s, 2))
+    c = _by_name(doctor._handler_checks(s, "/etc/containerd/config.toml", str(root)))["handler"]
+    assert c.verdict == "FAIL" and "written for version 2" in c.detail and "--containerd-config" in c.fix

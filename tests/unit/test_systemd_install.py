@@ -66,7 +66,7 @@ def test_unit_declares_what_the_daemon_relies_on() -> None:
 
 def test_install_systemd_lays_out_the_tree(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    cp = subprocess.run([NODE_AGENT, "install-systemd", "--root", str(root), "--runc", RUNC, "--criu-bundle", CRIU_BUNDLE],
+    cp = subprocess.run([NODE_AGENT, "install-systemd", "--root", str(root), "--config-version", "2", "--runc", RUNC, "--criu-bundle", CRIU_BUNDLE],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0, cp.stderr
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if not str(p.relative_to(root)).startswith("opt/node-agent/criu/"))
@@ -136,15 +136,22 @@ version = 2
 """
 
 
-def test_handler_block_is_appended_once_and_follows_the_cgroup_driver(tmp_path: Path) -> None:
+def _install_over(tmp_path: Path, config_text: str) -> tuple[Path, Path]:
+    """install-handler into a root whose containerd config is `config_text`: (root, config path)."""
     from node_agent.config import Settings
 
     root = tmp_path / "r"
     cfg = root / "etc/containerd/config.toml"
     cfg.parent.mkdir(parents=True)
-    cfg.write_text(DEBIAN_CONFIG)
-    s = Settings(runc=RUNC)
-    inst.install_handler(str(root), s, criu_bundle="none")
+    cfg.write_text(config_text)
+    inst.install_handler(str(root), Settings(runc=RUNC), criu_bundle="none")
+    return root, cfg
+
+
+def test_handler_block_is_appended_once_and_follows_the_cgroup_driver(tmp_path: Path) -> None:
+    from node_agent.config import Settings
+
+    root, cfg = _install_over(tmp_path, DEBIAN_CONFIG)
     first = cfg.read_text()
     assert first.startswith(DEBIAN_CONFIG) and first.count(inst.BEGIN) == 1
     runtimes = tomllib.loads(first)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
@@ -158,14 +165,16 @@ def test_handler_block_is_appended_once_and_follows_the_cgroup_driver(tmp_path: 
 
 
 def test_handler_refuses_configs_it_cannot_merge(tmp_path: Path) -> None:
-    with pytest.raises(FailedPrecondition, match="version = 2"):
-        inst.merge_containerd_config('[plugins.cri]\nx = 1\n', "")
+    with pytest.raises(FailedPrecondition, match="version = 1"):
+        inst.merge_containerd_config('[plugins.cri]\nx = 1\n', "", 2)
     clash = DEBIAN_CONFIG + '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.criu]\n  runtime_type = "x"\n'
     from node_agent.cli.containerd_config import snippet
     from node_agent.config import Settings
 
     with pytest.raises(FailedPrecondition, match="already defines"):
-        inst.merge_containerd_config(clash, snippet(Settings()))
+        inst.merge_containerd_config(clash, snippet(Settings(), 2), 2)
+    with pytest.raises(FailedPrecondition, match="version = 2, the handler's tables are for version 3"):
+        inst.merge_containerd_config(DEBIAN_CONFIG, snippet(Settings(), 3), 3)
 
 
 def test_install_handler_with_a_runtime_bundle(tmp_path: Path) -> None:
@@ -175,7 +184,8 @@ def test_install_handler_with_a_runtime_bundle(tmp_path: Path) -> None:
     (bundle / "bin/python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (bundle / "bin/python3").chmod(0o755)
     root = tmp_path / "host"
-    cp = subprocess.run([NODE_AGENT, "install-handler", "--root", str(root), "--runc", RUNC, "--runtime-bundle", str(bundle),
+    cp = subprocess.run([NODE_AGENT, "install-handler", "--root", str(root), "--config-version", "2", "--runc", RUNC,
+                         "--runtime-bundle", str(bundle),
                          "--criu-bundle", CRIU_BUNDLE, "--store", "/var/lib/na"], capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0, cp.stderr
     assert (root / "opt/node-agent/runtime/bin/python3").is_file()
@@ -195,7 +205,53 @@ def test_runtime_bundle_and_wrapper_python_must_agree(tmp_path: Path) -> None:
     (bundle / "bin/python3").chmod(0o755)
     with pytest.raises(InvalidArgument, match="wrapper-python"):
         inst.install_handler(str(tmp_path / "r"), Settings(runc=RUNC, wrapper_python="/usr/bin/python3"),
-                             runtime_bundle=str(bundle), criu_bundle="none")
+                             runtime_bundle=str(bundle), criu_bundle="none", config_version=2)
     # Without a bundle, wrapper-python names the host's interpreter.
-    inst.install_handler(str(tmp_path / "r"), Settings(runc=RUNC, wrapper_python="/usr/bin/python3"), criu_bundle="none")
+    inst.install_handler(str(tmp_path / "r"), Settings(runc=RUNC, wrapper_python="/usr/bin/python3"), criu_bundle="none",
+                         config_version=2)
     assert (tmp_path / "r/var/lib/node-agent/bin/node-agent-runc").read_text().startswith("#!/usr/bin/python3 -I\n")
+
+
+CONTAINERD2_CONFIG = """\
+version = 3
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+    SystemdCgroup = true
+"""
+
+
+def test_install_handler_edits_a_version_3_config(tmp_path: Path) -> None:
+    from node_agent.config import Settings
+
+    root, cfg = _install_over(tmp_path, CONTAINERD2_CONFIG)
+    doc = tomllib.loads(cfg.read_text())
+    assert doc["version"] == 3
+    runtimes = doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+    assert runtimes["criu"]["sandboxer"] == "podsandbox"
+    assert runtimes["criu"]["options"]["SystemdCgroup"] is True  # follows the node's runc handler
+    assert "io.containerd.grpc.v1.cri" not in doc["plugins"]  # no version-2 tables, which 2.x would ignore
+    # A config that does not exist yet is written for the version asked for.
+    fresh = tmp_path / "fresh"
+    inst.install_handler(str(fresh), Settings(runc=RUNC), criu_bundle="none", config_version=3)
+    assert tomllib.loads((fresh / "etc/containerd/config.toml").read_text())["version"] == 3
+    with pytest.raises(FailedPrecondition, match="version = 3, not 2"):
+        inst.install_handler(str(root), Settings(runc=RUNC), criu_bundle="none", config_version=2)
+
+
+def test_containerd_config_reads_the_files_version_and_never_guesses(tmp_path: Path) -> None:
+    v3 = tmp_path / "v3.toml"
+    v3.write_text(CONTAINERD2_CONFIG)
+    base = [NODE_AGENT, "containerd-config", "--no-install", "--store", str(tmp_path / "s")]
+    cp = subprocess.run([*base, "--containerd-config", str(v3)], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    runtime = tomllib.loads(cp.stdout)["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["criu"]
+    assert runtime["sandboxer"] == "podsandbox" and runtime["options"]["SystemdCgroup"] is True
+    for bad, needle in (("", "version = 1"), ("version = 7\n", "version = 7"), ("[x\n", "not valid TOML")):
+        path = tmp_path / "bad.toml"
+        path.write_text(bad)
+        cp = subprocess.run([*base, "--containerd-config", str(path)], capture_output=True, text=True)
+        assert cp.returncode != 0 and needle in cp.stderr, cp.stderr
+    cp = subprocess.run([*base, "--containerd-config", str(tmp_path / "missing.toml")], capture_output=True, text=True)
+    assert cp.returncode != 0 and "--config-version" in cp.stderr, cp.stderr
