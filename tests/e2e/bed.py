@@ -146,13 +146,14 @@ CONTAINERD17 = os.environ.get("NODE_AGENT_E2E_CONTAINERD17", "/opt/node-agent/co
 
 
 def bring_up(name: str, workdir: Path, containerd: str | None = CONTAINERD2, handler_store: str | None = None,
-             images: str | None = None, runc: str | None = None) -> Bed:
+             images: str | None = None, runc: str | None = None, with_handler: bool = True) -> Bed:
     """A test bed named `name` with the agent's restore handler, and the agent's config.
     `containerd`: the containerd binary the bed runs (default: 2.x from its private prefix; None: the
     system's). `runc`: the runc both containerd and the agent run (default: the one beside a 2.x
     containerd, else the system's). `handler_store`: write the handler for this store instead of the
     agent's (the easy mistake: `containerd-config` run without the agent's settings).
-    `images`: the images to import (`scripts/testbed up --images`; default all)."""
+    `images`: the images to import (`scripts/testbed up --images`; default all). `with_handler=False`:
+    containerd starts without the restore handler, as on a node before node-agent is installed."""
     assert containerd is None or os.access(containerd, os.X_OK), f"{containerd} missing: run scripts/install-host"
     version = containerd_config_version(containerd or "containerd")
     if runc is None and version == 3:
@@ -170,18 +171,21 @@ def bring_up(name: str, workdir: Path, containerd: str | None = CONTAINERD2, han
             *([f"runc: {runc}"] if runc else []),
         ]) + "\n"
     )
-    snippet = workdir / "handler.toml"
-    extra_args = ["--store", handler_store] if handler_store else []
-    extra_args += ["--config-version", str(version)]
-    cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config), *extra_args],
-                        capture_output=True, text=True)
-    if cp.returncode != 0:
-        raise AssertionError(f"containerd-config failed: {cp.stderr}")
-    snippet.write_text(cp.stdout)
-    extra = ["--containerd", containerd] if containerd else []
+    extra: list[str] = []
+    if with_handler:
+        snippet = workdir / "handler.toml"
+        extra_args = ["--store", handler_store] if handler_store else []
+        extra_args += ["--config-version", str(version)]
+        cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config), *extra_args],
+                            capture_output=True, text=True)
+        if cp.returncode != 0:
+            raise AssertionError(f"containerd-config failed: {cp.stderr}")
+        snippet.write_text(cp.stdout)
+        extra += ["--handler-snippet", str(snippet)]
+    extra += ["--containerd", containerd] if containerd else []
     extra += ["--images", images] if images else []
     extra += ["--runc", runc] if runc else []
-    info = json.loads(testbed("up", name, "--handler-snippet", str(snippet), *extra))
+    info = json.loads(testbed("up", name, *extra))
     assert info["runc_root"] == runc_root, info
     with config.open("a") as fh:
         fh.write(f"pod-log-root: {info['pod_log_root']}\ncgroup-parent: {info['cgroup_parent']}\n"
