@@ -371,35 +371,6 @@ def _split_ustar_name(path: bytes) -> tuple[bytes, bytes] | None:
     return None
 
 
-def _ustar_header(
-    name: bytes,
-    prefix: bytes,
-    mode: int,
-    uid: int,
-    gid: int,
-    size: int,
-    mtime: int,
-    typeflag: bytes,
-    linkname: bytes,
-) -> bytes:
-    h = bytearray(_BLOCK)
-    h[0 : len(name)] = name
-    h[100:108] = b"%07o\0" % mode
-    h[108:116] = b"%07o\0" % uid
-    h[116:124] = b"%07o\0" % gid
-    h[124:136] = b"%011o\0" % size
-    h[136:148] = b"%011o\0" % mtime
-    h[148:156] = b"        "
-    h[156:157] = typeflag
-    h[157 : 157 + len(linkname)] = linkname
-    h[257:265] = b"ustar\x0000"
-    h[329:337] = b"0000000\0"
-    h[337:345] = b"0000000\0"
-    h[345 : 345 + len(prefix)] = prefix
-    h[148:156] = b"%06o\0 " % sum(h)
-    return bytes(h)
-
-
 def _padding(size: int) -> bytes:
     rest = size % _BLOCK
     return bytes(_BLOCK - rest) if rest else b""
@@ -465,11 +436,11 @@ class _TarWriter:
             if binary:
                 records.insert(0, tarstream.pax_record(b"hdrcharset", b"BINARY"))
             data = b"".join(records)
-            self.buf += _ustar_header(b"././@PaxHeader", b"", 0o644, 0, 0, len(data), 0, b"x", b"")
+            self.buf += tarstream.ustar_header(b"././@PaxHeader", 0o644, len(data), 0, b"x")
             self.buf += data
             self.buf += _padding(len(data))
-        self.buf += _ustar_header(
-            name, prefix, stat.S_IMODE(st.st_mode), uid, gid, hsize, mtime, typeflag, linkname
+        self.buf += tarstream.ustar_header(
+            name, stat.S_IMODE(st.st_mode), hsize, mtime, typeflag, uid=uid, gid=gid, linkname=linkname, prefix=prefix
         )
 
     def content(self, src_fd: int, size: int, what: bytes) -> None:

@@ -192,6 +192,29 @@ def pax_record(key: bytes, value: bytes) -> bytes:
     return b"%d %s=%s\n" % (length, key, value)
 
 
+def ustar_header(name: bytes, mode: int, size: int, mtime: int, typeflag: bytes, *, uid: int = 0, gid: int = 0,
+                 linkname: bytes = b"", prefix: bytes = b"", uname: bytes = b"", gname: bytes = b"") -> bytes:
+    """One ustar header block; the caller has made every field fit (longer values go in PAX records)."""
+    h = bytearray(BLOCK)
+    h[0 : len(name)] = name
+    h[100:108] = b"%07o\0" % mode
+    h[108:116] = b"%07o\0" % uid
+    h[116:124] = b"%07o\0" % gid
+    h[124:136] = b"%011o\0" % size
+    h[136:148] = b"%011o\0" % mtime
+    h[148:156] = b"        "
+    h[156:157] = typeflag
+    h[157 : 157 + len(linkname)] = linkname
+    h[257:265] = b"ustar\x0000"
+    h[265 : 265 + len(uname)] = uname
+    h[297 : 297 + len(gname)] = gname
+    h[329:337] = b"0000000\0"
+    h[337:345] = b"0000000\0"
+    h[345 : 345 + len(prefix)] = prefix
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
 class FileSource:
     """A regular file read by offset: `pos` is where the next read starts."""
 

@@ -11,10 +11,13 @@ module builds them so that `restoring.py` can restore the container as a pod:
 - the image from config.dump's `rootfsImageName`, unless the caller names one;
 - command, environment, working directory and user from the spec's process;
 - namespaces: the container's own PID namespace (CRIU restores the dumped
-  one); the pod's network namespace when the engine gave the container one
-  by path (runc dumped it as external, and restores into the one it is
-  given); IPC from the pod; host namespaces map to NODE, which restore
-  refuses unless allowed;
+  one), or, for a containerd container that shared its pod's PID namespace
+  (the pause process's), the new pod's (runc dumped it as external, and the
+  restored processes keep their PIDs in the one they are given); the pod's
+  network namespace when the engine gave the container one by path (runc
+  dumped it as external, and restores into the one it is given); IPC from
+  the pod; host namespaces map to NODE, which restore refuses unless
+  allowed; a PID namespace joined from another container is refused;
 - mounts: every bind mount of the dump must be offered again at restore,
   since CRIU restores the mount tree and runc supplies bind mounts only by
   destination. /etc/hosts, /etc/hostname, /etc/resolv.conf and /dev/shm come
@@ -29,6 +32,7 @@ are checked, and nothing from it reaches a host path.
 from __future__ import annotations
 
 import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,31 +137,59 @@ def _image(cfg: Mapping[str, Any], override: str | None) -> str:
     raise errors.FailedPrecondition("the archive names no image (config.dump has no rootfsImageName); pass one")
 
 
-def _namespaces(spec: Mapping[str, Any]) -> dict[str, int]:
+_PROC_NS_RE = re.compile(r"^/proc/([1-9][0-9]{0,9})/ns/(pid|ipc|uts|net)$")
+
+
+def _sandbox_pid_namespace(paths: Mapping[str, str]) -> bool:
+    """Whether a containerd spec's PID namespace path is its sandbox's.
+
+    containerd joins a container (CRI pid POD) to the pause process's PID
+    namespace as /proc/<sandbox pid>/ns/pid, and gives every container of the
+    pod its IPC and UTS namespaces (and the network one, unless it is a named
+    netns) from the same /proc/<sandbox pid>/ns/. A PID path of another
+    process (CRI TARGET: another container's namespace) matches none of them.
+    """
+    match = _PROC_NS_RE.fullmatch(paths.get("pid", ""))
+    if not match or match.group(2) != "pid":
+        return False
+    pid = match.group(1)
+    others = {kind: f"/proc/{pid}/ns/{proc}" for kind, proc in (("ipc", "ipc"), ("uts", "uts"), ("network", "net"))}
+    return any(paths.get(kind) == path for kind, path in others.items())
+
+
+def _namespaces(spec: Mapping[str, Any], engine: str) -> dict[str, int]:
     linux = spec.get("linux")
     entries = linux.get("namespaces") if isinstance(linux, Mapping) else None
-    if not isinstance(entries, list):
+    if not isinstance(entries, list) or len(entries) > 64:
         raise errors.InvalidArgument("spec.dump has no linux.namespaces list")
-    kinds: dict[str, bool] = {}  # type -> has a path
+    paths: dict[str, str] = {}  # type -> its path ("" when the container made its own)
     for ns in entries:
         if not isinstance(ns, Mapping) or not isinstance(ns.get("type"), str):
             raise errors.InvalidArgument("spec.dump: malformed namespace entry")
         path = ns.get("path")
-        kinds[ns["type"]] = isinstance(path, str) and bool(path)
-    if "user" in kinds:
+        paths[ns["type"]] = path if isinstance(path, str) and len(path) <= 4096 else ""
+    if "user" in paths:
         raise errors.FailedPrecondition(
             "the container ran in a user namespace (rootless or --userns); restoring it through CRI is not supported"
         )
-    if "mount" not in kinds:
+    if "mount" not in paths:
         raise errors.FailedPrecondition("the container shared the host's mount namespace")
-    if kinds.get("pid"):
-        raise errors.FailedPrecondition(
-            "the container joined another container's PID namespace; it can only be restored with that container"
-        )
+    pid = NODE if "pid" not in paths else CONTAINER
+    if paths.get("pid"):
+        if engine == "containerd" and _sandbox_pid_namespace(paths):
+            # The pod's PID namespace (CRI pid POD): runc dumped it as external; the restore
+            # joins the new pod's, where only its pause process (PID 1) runs.
+            pid = POD
+        else:
+            raise errors.FailedPrecondition(
+                "the container joined another container's PID namespace (Podman --pid container:..., CRI TARGET); "
+                "a single-container archive cannot bring that namespace along, so it cannot be restored: "
+                "checkpoint a container that has its own PID namespace or shares its pod's"
+            )
     return {
-        "network": NODE if "network" not in kinds else POD,
-        "pid": NODE if "pid" not in kinds else CONTAINER,
-        "ipc": NODE if "ipc" not in kinds else POD,
+        "network": NODE if "network" not in paths else POD,
+        "pid": pid,
+        "ipc": NODE if "ipc" not in paths else POD,
     }
 
 
@@ -198,8 +230,39 @@ def _mounts(spec: Mapping[str, Any], volumes: Mapping[str, str]) -> tuple[list[d
     return wanted, tuple(markers)
 
 
-def synthesize(spec: Mapping[str, Any], cfg: Mapping[str, Any], opts: ForeignOptions, *, uid: str) -> Synthesized:
-    """The CRI pod and container configs for a foreign archive's container."""
+def status_name(status: object, cfg: Mapping[str, Any]) -> str:
+    """The container name in containerd's status.dump (its CRI ContainerStatus as JSON), checked.
+
+    Only `id` (which must be config.dump's) and `metadata.name` are read;
+    the labels, annotations, mounts, log path and image it also records are
+    the source node's and never reach the new container.
+    """
+    if not isinstance(status, Mapping):
+        raise errors.InvalidArgument("status.dump is not a JSON object")
+    sid = status.get("id")
+    if sid is not None:
+        sid = c.bounded_str(sid, "status.dump id", 128, allow_empty=True)
+        cid = cfg.get("id")
+        if sid and isinstance(cid, str) and cid and sid != cid:
+            raise errors.InvalidArgument(
+                f"status.dump describes container {sid[:64]!r}, config.dump container {cid[:64]!r}"
+            )
+    meta = status.get("metadata")
+    if meta is None:
+        return ""
+    if not isinstance(meta, Mapping):
+        raise errors.InvalidArgument("status.dump metadata is not a JSON object")
+    name = meta.get("name")
+    return "" if name is None else c.bounded_str(name, "status.dump metadata.name", 253, allow_empty=True)
+
+
+def synthesize(spec: Mapping[str, Any], cfg: Mapping[str, Any], opts: ForeignOptions, *, uid: str,
+               status_name: str = "") -> Synthesized:
+    """The CRI pod and container configs for a foreign archive's container.
+
+    `status_name`: the container's name from containerd's status.dump, used
+    when the spec's annotations name none.
+    """
     engine = engine_of(spec)
     process = spec.get("process")
     if not isinstance(process, Mapping):
@@ -229,7 +292,7 @@ def synthesize(spec: Mapping[str, Any], cfg: Mapping[str, Any], opts: ForeignOpt
     original_name = original_name if isinstance(original_name, str) else ""
     raw_container = opts.container_name or _annotation(
         spec, "io.kubernetes.container.name", "io.kubernetes.cri.container-name"
-    ) or original_name
+    ) or status_name or original_name
     container = c.dns_label(raw_container, "container")
     if opts.container_name:
         c.check_container_name(opts.container_name, "container name")
@@ -243,7 +306,7 @@ def synthesize(spec: Mapping[str, Any], cfg: Mapping[str, Any], opts: ForeignOpt
     )
     c.check_name(pod_name, "pod name")
     image = _image(cfg, opts.image)
-    ns_modes = _namespaces(spec)
+    ns_modes = _namespaces(spec, engine)
     mounts, markers = _mounts(spec, opts.volumes)
     original_id = cfg.get("id")
     original_id = original_id if isinstance(original_id, str) and len(original_id) <= 128 and original_id.isalnum() else ""

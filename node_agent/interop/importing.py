@@ -29,7 +29,11 @@ Two kinds of archive:
   byte-identical, and the metadata is the export's, checked;
 - another engine's (Podman, CRI-O, containerd): the CRI configs are built by
   `foreign.synthesize`, the CPU description is this node's, and the root
-  directory's mode is dropped from CRIU's files.img (`criuimg`).
+  directory's mode is dropped from CRIU's files.img (`criuimg`). containerd's
+  own archives (CRI CheckpointContainer) carry the writable layer as an OCI
+  image layer (gzip, with whiteout files): it becomes a plain tar plus
+  deleted.files and opaque.dirs (`_layer_to_diff`), the form the restore
+  applies; their status.dump is read, bounded, for the container's name.
 
 Nested archives (`rootfs-diff.tar`, `devshm-checkpoint.tar`) stay archives:
 they are scanned here so a bad one is refused early, and are applied only at
@@ -60,17 +64,23 @@ from typing import Any
 import zstandard
 
 from criu_bridge import tarstream
+from criu_bridge.errors import InvalidInput, LimitExceeded
 from node_agent import errors, hostaccess
 from node_agent.checkpointing import METADATA_KIND, manifest_annotations, parse_options
 from node_agent.interop import common as c
 from node_agent.interop import criuimg, foreign, tarfmt
 from node_agent.store import CheckpointRecord, Store
 
-# Top-level members of other engines' archives that node-agent does not keep.
+# Top-level members of other engines' archives that node-agent does not keep (nor stage):
+# the source's container logs (`ctr.log` Podman, `container.log` containerd), containerd's
+# internal `status` record, and the like. Their sizes still count against the bounds.
 IGNORED_TOP = frozenset({
     "ctr.log", "container.log", "artifacts", c.NETWORK_STATUS, c.STATUS_DUMP, "bind.mounts",
-    "pod.options", "pod.dump", "restore.log", "annotations.json",
+    "pod.options", "pod.dump", "restore.log", "annotations.json", "status",
 })
+# Members of IGNORED_TOP that are staged all the same, to be read (bounded by max_json_bytes)
+# though never stored: containerd's status.dump.
+STAGED_DOCS = frozenset({c.STATUS_DUMP})
 # Top-level members of a foreign archive that are kept as they are.
 FOREIGN_KEEP = frozenset({c.SPEC_DUMP, c.ROOTFS_DIFF, c.DELETED_FILES, c.OPAQUE_DIRS, c.DUMP_LOG})
 INTEROP_DIR = "interop"
@@ -310,7 +320,7 @@ def _normalize(raw: bytes, limits: c.ImportLimits, what: str = "tar member") -> 
 
 
 def _keep_member(path: str) -> bool:
-    return path.split("/", 1)[0] not in IGNORED_TOP
+    return path in STAGED_DOCS or path.split("/", 1)[0] not in IGNORED_TOP
 
 
 # The small documents every archive must have, whatever its kind; node-agent's
@@ -429,7 +439,8 @@ class _Pass:
                 if not _keep_member(path):
                     entries[path] = _Staged(tarfmt.FILE, m.mode, m.size, None)
                     continue
-                if path in _REQUIRED + _REQUIRED_OWN + (c.OWN_MANIFEST,) and m.size > limits.max_json_bytes:
+                if path in _REQUIRED + _REQUIRED_OWN + (c.OWN_MANIFEST,) + tuple(STAGED_DOCS) \
+                        and m.size > limits.max_json_bytes:
                     raise errors.ResourceExhausted(
                         f"{path}: {m.size} bytes is more than the limit of {limits.max_json_bytes} (max_json_bytes)"
                     )
@@ -507,6 +518,203 @@ def _check_nested_tar(staging: _Staging, name: str, what: str, limits: c.ImportL
                 raise errors.InvalidArgument(f"{what} holds a {m.kind}, which a restore refuses")
             if m.kind == tarfmt.HARDLINK:
                 _normalize(m.linkname, limits, f"{what} hardlink target")
+
+
+# containerd's rootfs-diff.tar is an OCI image layer: deletions are empty files named
+# ".wh.<name>", and ".wh..wh..opq" marks its directory opaque.
+_WHITEOUT = ".wh."
+_OPAQUE_MARK = ".wh..wh..opq"
+_TYPEFLAG = {tarfmt.FILE: b"0", tarfmt.HARDLINK: b"1", tarfmt.SYMLINK: b"2", tarfmt.DIR: b"5", tarfmt.FIFO: b"6"}
+
+
+@dataclass(frozen=True)
+class _Layer:
+    staged: str  # the plain tar, without whiteouts
+    deleted: list[str]  # paths the layer whites out, relative to the rootfs
+    opaque: list[str]  # directories it marks opaque
+
+
+def _layer_headers(path: str, h: tarstream.Header, link: bytes) -> bytes:
+    """The PAX and ustar headers of one kept layer member: its name, link, mode, owner, mtime and xattrs."""
+    name = path.encode("utf-8") + (b"/" if h.kind == tarfmt.DIR else b"")
+    uid, gid = h.owner()
+    mtime_ns = max(0, h.mtime_ns())
+    mtime, fraction = divmod(mtime_ns, 1_000_000_000)
+    records = b""
+    if len(name) > 100 or not name.isascii():
+        records += tarstream.pax_record(b"path", name)
+    if len(link) > 100 or not link.isascii():
+        records += tarstream.pax_record(b"linkpath", link)
+    if fraction:
+        records += tarstream.pax_record(b"mtime", b"%d.%09d" % (mtime, fraction))
+    size = h.size if h.kind == tarfmt.FILE else 0
+    hsize = size
+    if size >= 8**11:
+        records += tarstream.pax_record(b"size", b"%d" % size)
+        hsize = 0
+    if uid >= 8**7 or gid >= 8**7:
+        records += tarstream.pax_record(b"uid", b"%d" % uid) + tarstream.pax_record(b"gid", b"%d" % gid)
+        uid = gid = 0
+    for key, value in h.xattrs:
+        records += tarstream.pax_record(b"SCHILY.xattr." + key, value)
+    short = name[:100] if name.isascii() else b"././@LongName"
+    short_link = link[:100] if link.isascii() else b""
+    member = tarstream.ustar_header(short, h.mode(), hsize, mtime, _TYPEFLAG[h.kind], uid=uid, gid=gid,
+                                    linkname=short_link)
+    if not records:
+        return member
+    pax = tarstream.ustar_header(b"././@PaxHeader", 0o644, len(records), mtime, b"x")
+    return pax + records + bytes(-len(records) % tarfmt.BLOCK) + member
+
+
+class _LayerOut:
+    """The plain tar a layer becomes: every write counted first, against one file's bound and the meter."""
+
+    def __init__(self, fd: int, meter: _Meter, bounds: c.StagingBounds) -> None:
+        self._fd = fd
+        self._meter = meter
+        self._bounds = bounds
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        n = len(data)
+        if self.size + n > self._bounds.member_bytes:
+            raise errors.ResourceExhausted(
+                f"rootfs-diff.tar: the uncompressed layer is larger than {self._bounds.member_bytes} bytes "
+                f"({self._bounds.member_name()})"
+            )
+        self._meter.charge("'rootfs-diff.tar' (uncompressed)", n, self.size, self.size + n)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.size += n
+
+
+def _layer_to_diff(staging: _Staging, meter: _Meter, name: str, limits: c.ImportLimits,
+                   bounds: c.StagingBounds) -> _Layer:
+    """containerd's rootfs-diff.tar (an OCI layer; gzip, zstd or plain) as the restore applies a diff.
+
+    Every header is checked as the restore's reader checks it (no devices,
+    no escaping names, hardlinks only to files earlier in the layer); the
+    whiteouts become the deleted and opaque lists, everything else is
+    written again, without compression, into a new staged file, each byte
+    counted before it is written, so a decompression bomb stops at the bounds.
+    """
+    what = "rootfs-diff.tar"
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=staging.fd)
+    raw = io.BufferedReader(io.FileIO(fd, "rb"), _COPY)
+    inner: Any = raw
+    try:
+        out_name, out_fd = staging.create()
+    except BaseException:
+        raw.close()
+        raise
+    out = _LayerOut(out_fd, meter, bounds)
+    deleted: list[str] = []
+    opaque: list[str] = []
+    files: set[str] = set()  # regular files written so far: the only hardlink targets
+    seen: dict[str, str] = {}
+    try:
+        head = raw.peek(4)[:4]
+        if not head:
+            return _Layer(out_name, [], [])
+        if head.startswith(b"\x1f\x8b"):
+            inner = _Stream(gzip.GzipFile(fileobj=raw, mode="rb"), f"{what} gzip")
+        elif head.startswith(b"\x28\xb5\x2f\xfd"):
+            dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+            inner = _Stream(dctx.stream_reader(raw, read_across_frames=True, closefd=False), f"{what} zstd")
+        stream = tarstream.TarStream(tarstream.StreamSource(inner), pax_nul_ends=True, pax_text_keys=True)
+        count = 0
+        while True:
+            h = stream.next()
+            if h is None:
+                break
+            count += 1
+            if count > limits.max_members:
+                raise errors.ResourceExhausted(f"{what} has more than {limits.max_members} members (max_members)")
+            path = _normalize(h.name, limits, f"{what} member")
+            if path is None:
+                continue  # the rootfs itself
+            shown = repr(path[:200])
+            parts = path.split("/")
+            if any(part.startswith(_WHITEOUT) for part in parts[:-1]):
+                raise errors.InvalidArgument(f"{what} member {shown} lies under a whiteout")
+            base, parent = parts[-1], "/".join(parts[:-1])
+            if base.startswith(_WHITEOUT):
+                if h.kind != tarfmt.FILE:
+                    raise errors.InvalidArgument(
+                        f"{what} member {shown}: a whiteout that is not a regular file ({h.kind})"
+                    )
+                if base == _OPAQUE_MARK:
+                    if not parent:
+                        raise errors.InvalidArgument(f"{what} member {shown} marks the rootfs itself opaque")
+                    opaque.append(parent)
+                else:
+                    gone = base[len(_WHITEOUT) :]
+                    if gone in ("", ".", "..") or gone.startswith(_WHITEOUT):
+                        raise errors.InvalidArgument(f"{what} member {shown}: a whiteout that names no file")
+                    deleted.append(f"{parent}/{gone}" if parent else gone)
+                continue
+            previous = seen.get(path)
+            if previous is not None and not (previous == tarfmt.DIR and h.kind == tarfmt.DIR):
+                raise errors.InvalidArgument(f"{what} member {shown} appears twice")
+            seen[path] = h.kind
+            link = b""
+            if h.kind == tarfmt.HARDLINK:
+                target = _normalize(h.linkname, limits, f"{what} hardlink target of {shown}")
+                if target is None or target not in files:
+                    raise errors.InvalidArgument(
+                        f"{what} member {shown} is a hardlink to something other than a regular file earlier in it"
+                    )
+                link = target.encode("utf-8")
+            elif h.kind == tarfmt.SYMLINK:
+                link = h.linkname
+                if not link or b"\0" in link or len(link) > limits.max_path_bytes:
+                    raise errors.InvalidArgument(f"{what} member {shown}: a symlink with a bad target")
+            elif h.kind == tarfmt.FILE:
+                if h.size > bounds.member_bytes:
+                    raise errors.ResourceExhausted(
+                        f"{what} member {shown}: {h.size} bytes is more than the limit of {bounds.member_bytes} "
+                        f"({bounds.member_name()})"
+                    )
+                files.add(path)
+            out.write(_layer_headers(path, h, link))
+            left = h.size if h.kind == tarfmt.FILE else 0
+            while left:
+                data = stream.read(min(_COPY, left))
+                if not data:
+                    raise errors.InvalidArgument(f"{what} member {shown} is truncated")
+                out.write(data)
+                left -= len(data)
+            if h.kind == tarfmt.FILE and h.size % tarfmt.BLOCK:
+                out.write(bytes(-h.size % tarfmt.BLOCK))
+        out.write(bytes(2 * tarfmt.BLOCK))
+    except LimitExceeded as exc:
+        raise errors.ResourceExhausted(f"{what}: {exc}") from None
+    except InvalidInput as exc:
+        raise errors.InvalidArgument(f"{what}: {exc}") from None
+    finally:
+        os.close(out_fd)
+        if inner is not raw:
+            inner.close()
+        raw.close()
+    return _Layer(out_name, _unique(deleted), _unique(opaque))
+
+
+def _unique(paths: list[str]) -> list[str]:
+    return list(dict.fromkeys(paths))
+
+
+def _path_list(staging: _Staging, entry: _Out | None, what: str, limits: c.ImportLimits) -> list[str]:
+    """A foreign archive's deleted.files or opaque.dirs: a JSON list of paths (empty when absent)."""
+    if entry is None:
+        return []
+    if entry.is_dir or not entry.staged:
+        raise errors.InvalidArgument(f"{what} is not a file")
+    value = c.parse_json(staging.read(entry.staged, limits.max_json_bytes, what), what, limits.max_json_bytes)
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise errors.InvalidArgument(f"{what} is not a JSON list of paths")
+    return value
 
 
 def _now() -> str:
@@ -690,8 +898,8 @@ def _marker_files(store: Store, paths: tuple[str, ...]) -> tuple[str, dict[str, 
 
 
 def _foreign_plan(
-    store: Store, staging: _Staging, entries: Mapping[str, _Staged], limits: c.ImportLimits, bounds: c.StagingBounds,
-    opts: foreign.ForeignOptions, options: Mapping[str, str], cpuinfo: Callable[[str], None],
+    store: Store, staging: _Staging, meter: _Meter, entries: Mapping[str, _Staged], limits: c.ImportLimits,
+    bounds: c.StagingBounds, opts: foreign.ForeignOptions, options: Mapping[str, str], cpuinfo: Callable[[str], None],
     cleanup: list[str],
 ) -> tuple[list[_Out], dict[str, Any]]:
     cfg = _read_json(staging, entries, c.CONFIG_DUMP, limits)
@@ -702,7 +910,14 @@ def _foreign_plan(
         raise errors.InvalidArgument("the archive has no CRIU images (checkpoint/)")
     flags = parse_options(options)
     uid = str(uuid.uuid4())
-    syn = foreign.synthesize(spec, cfg, opts, uid=uid)
+    native = foreign.engine_of(spec) == "containerd"  # containerd's CRI CheckpointContainer
+    status_name = ""
+    status = entries.get(c.STATUS_DUMP)
+    if native and status is not None:
+        if status.kind != tarfmt.FILE:
+            raise errors.InvalidArgument(f"{c.STATUS_DUMP} is not a file")
+        status_name = foreign.status_name(_read_json(staging, entries, c.STATUS_DUMP, limits), cfg)
+    syn = foreign.synthesize(spec, cfg, opts, uid=uid, status_name=status_name)
     base = f"containers/{syn.container}"
 
     plan: list[_Out] = []
@@ -735,13 +950,34 @@ def _foreign_plan(
         data = staging.read(old.staged or "", criuimg.MAX_FILES_IMG, "files.img")
         relaxed, _changed = criuimg.relax_root_dir_mode(data)
         plan[plan.index(old)] = _Out(files_img, old.mode, data=relaxed)
-    if f"{base}/{c.DELETED_FILES}" in by_path:
-        deleted = c.parse_json(
-            staging.read(by_path[f"{base}/{c.DELETED_FILES}"].staged or "", limits.max_json_bytes, c.DELETED_FILES),
-            c.DELETED_FILES, limits.max_json_bytes,
-        )
-        if not isinstance(deleted, list) or not all(isinstance(p, str) for p in deleted):
-            raise errors.InvalidArgument("deleted.files is not a JSON list of paths")
+    deleted_path, opaque_path = f"{base}/{c.DELETED_FILES}", f"{base}/{c.OPAQUE_DIRS}"
+    deleted = _path_list(staging, by_path.get(deleted_path), c.DELETED_FILES, limits)
+    opaque = _path_list(staging, by_path.get(opaque_path), c.OPAQUE_DIRS, limits)
+    diff_path = f"{base}/{c.ROOTFS_DIFF}"
+    if native and diff_path in by_path and by_path[diff_path].staged:
+        # An OCI layer: its whiteouts join the archive's own lists, the rest becomes a plain tar.
+        old = by_path[diff_path]
+        layer = _layer_to_diff(staging, meter, old.staged or "", limits, bounds)
+        if not any(o.staged == old.staged for o in plan if o is not old):  # not shared by a hardlink
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old.staged or "", dir_fd=staging.fd)
+                meter.staged -= entries[c.ROOTFS_DIFF].size
+        plan[plan.index(old)] = by_path[diff_path] = _Out(diff_path, old.mode, staged=layer.staged)
+        lists = {deleted_path: _unique(deleted + layer.deleted), opaque_path: _unique(opaque + layer.opaque)}
+        if not lists[opaque_path]:
+            del lists[opaque_path]
+        if not lists[deleted_path] and opaque_path not in lists:
+            del lists[deleted_path]  # the restore reads opaque.dirs only beside a deleted.files
+        plan = [o for o in plan if o.path not in (deleted_path, opaque_path)]
+        for target, paths in lists.items():
+            data = _json_bytes(paths)
+            if len(data) > limits.max_json_bytes:
+                raise errors.ResourceExhausted(
+                    f"{target.rsplit('/', 1)[-1]} of the layer's whiteouts: {len(data)} bytes is more than the "
+                    f"limit of {limits.max_json_bytes} (max_json_bytes)"
+                )
+            plan.append(_Out(target, 0o600, data=data))
+        by_path = {o.path: o for o in plan}
     for nested, what in ((f"{base}/{c.ROOTFS_DIFF}", c.ROOTFS_DIFF), (c.STORE_DEVSHM, c.DEVSHM_TAR)):
         if nested in by_path and by_path[nested].staged:
             _check_nested_tar(staging, by_path[nested].staged or "", what, limits, bounds)
@@ -864,7 +1100,7 @@ def import_archive(
                 volumes=dict(volumes or {}),
             )
             plan, meta = _foreign_plan(
-                store, staging, entries, limits, bounds, opts, options or {},
+                store, staging, meter, entries, limits, bounds, opts, options or {},
                 cpuinfo_dump or _default_cpuinfo(criu, staging.root), cleanup,
             )
         record = _commit(store, staging, plan, meta)

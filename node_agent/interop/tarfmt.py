@@ -127,22 +127,7 @@ class TarReader:
 
 
 def _header(name: bytes, mode: int, size: int, mtime: int, typeflag: bytes) -> bytes:
-    h = bytearray(BLOCK)
-    h[0 : len(name)] = name
-    h[100:108] = b"%07o\0" % mode
-    h[108:116] = b"0000000\0"
-    h[116:124] = b"0000000\0"
-    h[124:136] = b"%011o\0" % size
-    h[136:148] = b"%011o\0" % mtime
-    h[148:156] = b"        "
-    h[156:157] = typeflag
-    h[257:265] = b"ustar\x0000"
-    h[265:269] = b"root"
-    h[297:301] = b"root"
-    h[329:337] = b"0000000\0"
-    h[337:345] = b"0000000\0"
-    h[148:156] = b"%06o\0 " % sum(h)
-    return bytes(h)
+    return tarstream.ustar_header(name, mode, size, mtime, typeflag, uname=b"root", gname=b"root")
 
 
 class TarWriter:
