@@ -4,13 +4,15 @@
     .venv/bin/python bench/run.py [--sizes 64,256,1024] [--runs 5] [--pair 512]
                                   [--repeat-mib 256] [--warmup 1] [--out bench/results.json]
                                   [--write-docs] [--note TEXT] [--quick] [--keep]
-                                  [--bed NAME] [--attach AGENT_CONFIG]
+                                  [--bed NAME] [--attach AGENT_CONFIG] [--containerd PATH]
+                                  [--native-sizes 256,1024] [--no-native] [--docs-only]
 
 As root. It brings up a test bed (scripts/testbed, name from --bed or
-NODE_AGENT_BENCH_BED, default na-bench) with the agent's restore handler,
-starts the agent, and on pods of memhog (a process holding N MiB of live
-memory and printing `tick N` every 5 ms) measures, in interleaved runs
-after an untimed warm-up round:
+NODE_AGENT_BENCH_BED, default na-bench) on the containerd binary --containerd
+(default: 2.1 from /opt/node-agent/containerd-2; /usr/bin/containerd is the
+system's) with the agent's restore handler, starts the agent, and on pods of
+memhog (a process holding N MiB of live memory and printing `tick N` every
+5 ms) measures, in interleaved runs after an untimed warm-up round:
 
   * checkpoints: the agent's CLI, bare `runc checkpoint --leave-running`, and
     `runc checkpoint` followed by `tar | zstd -1 -T0` into a fsynced file,
@@ -21,13 +23,17 @@ after an untimed warm-up round:
     (the checkpoint's images already unpacked in a local directory) handed to
     the same runtime handler through plain CRI calls;
   * the store bytes a repeated checkpoint of an unchanged workload adds, and
-    the agent's peak RSS during the largest checkpoint.
+    the agent's peak RSS during the largest checkpoint;
+  * on containerd 2.x, against containerd's own CRI path (bench/native.py):
+    CheckpointContainer into an archive, and the restore of that archive
+    through CreateContainer in a fresh sandbox, on fresh random memory.
 
-It prints the tables, writes every raw sample as JSON (--out) and, with
---write-docs, rewrites docs/benchmarks.md. Everything it creates (pods,
-checkpoints, temporary directories, the test bed unless --keep) is removed,
-also on errors and on SIGINT/SIGTERM. docs/benchmarks.md says how each number
-is measured.
+It prints the tables, writes every raw sample as JSON (--out, which keeps the
+latest run of every other containerd version too) and, with --write-docs,
+rewrites docs/benchmarks.md with all of them. Everything it creates (pods,
+checkpoints, archives, the loopback registry and its image, temporary
+directories, the test bed unless --keep) is removed, also on errors and on
+SIGINT/SIGTERM. docs/benchmarks.md says how each number is measured.
 """
 
 from __future__ import annotations
@@ -53,10 +59,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import crilog, report  # noqa: E402
+from bench import crilog, native, report  # noqa: E402
 from node_agent.config import load as load_settings  # noqa: E402
 from node_agent.cri import CriClient  # noqa: E402
-from tests.e2e.bed import NODE_AGENT, Bed, bring_up, container_config, pod_config, testbed  # noqa: E402
+from tests.e2e.bed import CONTAINERD2, NODE_AGENT, Bed, bring_up, container_config, pod_config, testbed  # noqa: E402
 
 T = TypeVar("T")
 FAST_TICK_MS = 5
@@ -152,14 +158,6 @@ def copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, symlinks=True)
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -190,10 +188,12 @@ class SrcPod:
     containers: list[Ctr] = field(default_factory=list)
 
 
-def memhog(name: str, image: str, mib: int, flip: bool) -> dict[str, Any]:
-    """memhog ticking every 5 ms; with `flip` False its memory stays the same."""
+def memhog(name: str, image: str, mib: int, flip: bool, seed: int | None = None) -> dict[str, Any]:
+    """memhog ticking every 5 ms; with `flip` False its memory stays the same. `seed`
+    starts its pseudo-random fill (memhog's default, 1, when None)."""
     return container_config(name, image, [
         "/usr/local/bin/memhog", "--mib", str(mib), "--interval-ms", str(FAST_TICK_MS), "--flip", "1" if flip else "0",
+        *(["--seed", str(seed)] if seed is not None else []),
     ])
 
 
@@ -216,6 +216,7 @@ class Bench:
         self.ctrd_log: crilog.ContainerdLog | None = None
         self.work_claimed = False
         self.bed_started = False
+        self.native: native.Native | None = None
 
     # ---- plumbing ----------------------------------------------------------
 
@@ -295,7 +296,7 @@ class Bench:
         if self.own_bed:
             log(f"test bed {self.args.bed} (scripts/testbed up), work dir {self.work}")
             self.bed_started = True
-            self.bed = bring_up(self.args.bed, self.work)
+            self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd)
             # The same agent as a node runs, without debug logging.
             cfg = Path(self.bed.config)
             cfg.write_text(cfg.read_text().replace("log-level: debug", "log-level: info"))
@@ -332,6 +333,8 @@ class Bench:
                 self.remove_checkpoint(ckpt)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"checkpoint {ckpt[:19]}: {exc}")
+        if self.native is not None:
+            errors += self.native.cleanup()  # the registry's image, its hosts.toml, the registry
         if self.work_claimed:
             shutil.rmtree(self.work / "bare", ignore_errors=True)
             shutil.rmtree(self.work / "restore-src", ignore_errors=True)
@@ -354,10 +357,11 @@ class Bench:
 
     # ---- pods ---------------------------------------------------------------
 
-    def new_pod(self, kind: str, mib: int, names: list[str], flip: bool = True) -> SrcPod:
+    def new_pod(self, kind: str, mib: int, names: list[str], flip: bool = True, image: str | None = None,
+                seed: int | None = None) -> SrcPod:
         name = f"{kind}-{mib}-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, NS_SRC, name)
-        cfgs = [memhog(n, self.b.info["images"]["memhog"], mib, flip) for n in names]
+        cfgs = [memhog(n, image or self.b.info["images"]["memhog"], mib, flip, seed) for n in names]
         for n in names:
             os.makedirs(os.path.join(pcfg["log_directory"], n), exist_ok=True)
 
@@ -405,14 +409,26 @@ class Bench:
         if ckpt in self.checkpoints:
             self.checkpoints.remove(ckpt)
 
-    def check_running(self, cid: str, tick_log: str | None = None) -> None:
-        """A restored container runs and its ticker goes on (not timed)."""
+    def check_running(self, cid: str, tick_log: str | None = None, since: float | None = None) -> float | None:
+        """A restored container runs and its ticker goes on (not timed). With `since`
+        (epoch seconds): the stamp of its first tick after that, from its CRI log
+        (which may begin with the ticks of the process it was checkpointed from)."""
         d = self.cri(lambda cri: cri.container_status(cid))
         if d.container.state != "CONTAINER_RUNNING":
             raise BenchError(f"restored container {cid[:13]} is {d.container.state}")
         path = tick_log or d.log_path
-        t = crilog.TickLog(path)
-        wait_until(lambda: t.poll() >= 3, 30, f"the restored container {cid[:13]} to tick")
+        if since is None:
+            t = crilog.TickLog(path)
+            wait_until(lambda: t.poll() >= 3, 30, f"the restored container {cid[:13]} to tick")
+            return None
+        after: list[float] = []
+
+        def ticked() -> bool:
+            after[:] = [ts for ts in crilog.tick_stamps(path) if ts > since]
+            return len(after) >= 3
+
+        wait_until(ticked, 30, f"the restored container {cid[:13]} to tick", interval=0.02)
+        return after[0]
 
     # ---- operations ---------------------------------------------------------
 
@@ -510,8 +526,8 @@ class Bench:
                 raise BenchError(f"tar | zstd of {c.name} timed out") from exc
             if trc != 0 or zrc != 0:
                 raise BenchError(f"tar | zstd of {c.name} failed (tar {trc}, zstd {zrc})")
-            fsync_path(out)
-            fsync_path(os.path.dirname(out))
+            native.fsync_path(out)
+            native.fsync_path(os.path.dirname(out))
             wall = time.monotonic() - m0
             t1 = time.time()
             size = os.path.getsize(out)
@@ -542,14 +558,15 @@ class Bench:
                 out.update(self.lazy_completion(cids, t0))
             assert self.ctrd_log is not None
             starts = [self.ctrd_log.start_ms(cid) for cid in cids]
-            for cid in cids:
-                self.check_running(cid)
+            ticked = [self.check_running(cid, since=t0) for cid in cids]
             criu = [criu_log_ms(os.path.join(self.plans_dir, cid, "work", "restore.log")) for cid in cids]
         finally:
             if not keep:
                 self.remove_pod(pod_id)
+        first_tick = max((t for t in ticked if t is not None), default=None)
         out.update({"wall_s": round(wall, 4), "start_ms": sum(s for s in starts if s is not None) if all(
-            s is not None for s in starts) else None, "criu_restore_ms": criu, "start": t0, "end": t1})
+            s is not None for s in starts) else None, "criu_restore_ms": criu, "start": t0, "end": t1,
+            "first_tick_s": round(first_tick - t0, 4) if first_tick is not None else None})
         return out
 
     def lazy_completion(self, cids: list[str], t0: float) -> dict[str, Any]:
@@ -841,12 +858,22 @@ class Bench:
     def run(self) -> dict[str, Any]:
         sizes = self.args.sizes
         self.results = {"single": {}, "restore": {}, "warmup": {}}
-        self.op_timeout = min(600.0, 120.0 + max(sizes + [self.args.pair * 2]) * 0.4)
+        self.op_timeout = min(600.0, 120.0 + max(sizes + self.args.native_sizes + [self.args.pair * 2]) * 0.4)
         started = time.time()
+        # Other work on the machine shows here first: the load averages at the start and the end.
+        self.results["loadavg"] = {"start": [round(x, 2) for x in os.getloadavg()]}
         for mib in sizes:
             self.single(mib, measure_rss=(mib == max(sizes)))
         self.pair(self.args.pair)
         self.repeat(self.args.repeat_mib)
+        why_not = native.unsupported(self.b.info) if not self.args.no_native else "--no-native"
+        if why_not:
+            log(f"against containerd's own checkpoint and restore: skipped ({why_not})")
+            self.results["native"] = {"skipped": why_not}
+        else:
+            self.native = native.Native(self, NS_RESTORE)
+            self.results["native"] = self.native.run(self.args.native_sizes)
+        self.results["loadavg"]["end"] = [round(x, 2) for x in os.getloadavg()]
         self.results["elapsed_s"] = round(time.time() - started, 1)
         return self.results
 
@@ -874,15 +901,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle", type=float, default=None, help="seconds of quiet between operations (default 1)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed rounds of every operation on each workload before the runs (default 1)")
+    ap.add_argument("--containerd", default=CONTAINERD2,
+                    help=f"the containerd binary of the test bed (default {CONTAINERD2}; the system's: "
+                         "/usr/bin/containerd); with --attach, the bed's own")
+    ap.add_argument("--native-sizes", default="256,1024",
+                    help="MiB of fresh random memory for the comparison with containerd's own CRI checkpoint "
+                         "and restore (containerd 2.x; default 256,1024; --quick 16)")
+    ap.add_argument("--no-native", action="store_true", help="skip the comparison with containerd's own path")
+    ap.add_argument("--docs-only", action="store_true",
+                    help="measure nothing: rewrite docs/benchmarks.md from the runs in --out")
     args = ap.parse_args(argv)
     try:
         args.sizes = sorted({int(s) for s in str(args.sizes).split(",") if s.strip()})
+        args.native_sizes = sorted({int(s) for s in str(args.native_sizes).split(",") if s.strip()})
     except ValueError:
-        ap.error("--sizes: comma-separated MiB, e.g. 64,256,1024")
+        ap.error("--sizes, --native-sizes: comma-separated MiB, e.g. 64,256,1024")
     if args.quick:
         explicit = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         if "--sizes" not in explicit:
             args.sizes = [16]
+        if "--native-sizes" not in explicit:
+            args.native_sizes = [16]
         if "--runs" not in explicit:
             args.runs = 1
         if "--pair" not in explicit:
@@ -899,11 +938,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--warmup must not be negative")
     if not args.sizes or min(args.sizes) < 1 or args.runs < 1 or args.pair < 1 or args.repeat_mib < 1:
         ap.error("sizes, runs, pair and repeat-mib must be positive")
+    if not args.no_native and (not args.native_sizes or min(args.native_sizes) < 1):
+        ap.error("--native-sizes must be positive")
+    if not args.attach and args.containerd and not os.access(args.containerd, os.X_OK):
+        ap.error(f"--containerd {args.containerd}: not an executable (scripts/install-host installs 1.7 and 2.1)")
     return args
+
+
+def write_docs(merged: dict[str, Any]) -> None:
+    path = REPO / "docs" / "benchmarks.md"
+    path.write_text(report.markdown(merged))
+    log(f"wrote {path} (containerd {', '.join(report.series_order(merged))})")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.docs_only:
+        loaded = report.load(Path(args.out))
+        if loaded is None:
+            print(f"bench: {args.out} holds no results", file=sys.stderr)
+            return 1
+        write_docs(loaded)
+        return 0
     if os.geteuid() != 0:
         print("bench: needs root (it runs a private containerd)", file=sys.stderr)
         return 2
@@ -918,11 +974,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     try:
         bench.setup()
+        machine.update(report.bed_info(bench.b.info))
+        log(f"containerd {machine['containerd']} ({machine['containerd_binary']}), runc {machine['runc']}")
         results = bench.run()
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         rc = 130
-    except (BenchError, TimeoutError) as exc:
+    except (BenchError, native.NativeError, TimeoutError) as exc:
         log(f"error: {exc}")
         rc = 1
     except Exception:  # noqa: BLE001 - reported, then cleaned up
@@ -938,15 +996,16 @@ def main(argv: list[str] | None = None) -> int:
     doc = report.build(args, machine, results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # The file keeps the latest run of every containerd version; this run replaces its own.
+    merged = report.merge(report.load(out), doc)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, out)
     sys.stdout.write(report.text_tables(doc))
-    log(f"raw samples: {out}")
+    others = [k for k in merged["runs"] if k != merged["latest"]]
+    log(f"raw samples: {out}" + (f" (also kept there: containerd {', '.join(others)})" if others else ""))
     if args.write_docs:
-        path = REPO / "docs" / "benchmarks.md"
-        path.write_text(report.markdown(doc))
-        log(f"wrote {path}")
+        write_docs(merged)
     return 0
 
 

@@ -1,4 +1,8 @@
-"""bench/run.py --quick on the end-to-end bed: every metric comes out, nothing is left behind."""
+"""bench/run.py --quick on the end-to-end bed: every metric comes out, nothing is left behind.
+
+On containerd 2.x that includes the comparison with containerd's own CRI
+checkpoint and restore (bench/native.py), at 16 MiB with one run.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import crilog
+from bench import crilog, native, report
 from tests.e2e.bed import REPO, Bed, pods_in
 
 TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss",
@@ -27,6 +31,12 @@ SUMMARY = {
     ("repeat",): ["size_bytes", "first_added_bytes", "added_bytes", "added_fraction"],
     ("rss",): ["peak_mib"],
 }
+NATIVE_TARGETS = {"native_durable", "native_frozen", "native_restore"}
+NATIVE_SUMMARY = [
+    "agent_wall_s", "agent_frozen_outside_ms", "agent_store_added_bytes", "native_wall_s", "native_call_s",
+    "native_frozen_ms", "native_archive_bytes", "lazy_wall_s", "lazy_first_tick_s", "native_restore_wall_s",
+    "native_restore_create_s", "native_restore_start_call_s", "native_restore_first_tick_s",
+]
 
 
 def _number(v: Any) -> bool:
@@ -62,13 +72,19 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
         capture_output=True, text=True, timeout=420,
     )
     assert cp.returncode == 0, f"{cp.stderr[-4000:]}\n{cp.stdout[-2000:]}"
-    doc = json.loads(out.read_text())
+    merged = json.loads(out.read_text())
+    assert merged["schema"] == report.SCHEMA and set(merged["runs"]) == {merged["latest"]}
+    doc = merged["runs"][merged["latest"]]
     assert doc["config"]["quick"] and doc["config"]["attached"]
     for key in ("cores", "kernel", "containerd", "runc", "criu"):
         assert doc["machine"][key], key
+    # The bed's containerd and runc, not the ones on PATH.
+    assert doc["machine"]["containerd"] == agent.info["containerd_version"]
+    assert doc["machine"]["runc"] == agent.info["runc_version"]
+    with_native = not native.unsupported(agent.info)
 
     targets = {t["key"]: t for t in doc["targets"]}
-    assert set(targets) == TARGETS
+    assert set(targets) == TARGETS | (NATIVE_TARGETS if with_native else set())
     for t in targets.values():
         assert _number(t["ratio"]) and t["ratio"] > 0, t
         assert isinstance(t["pass"], bool), t
@@ -94,6 +110,31 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
         assert title in cp.stdout, cp.stdout
     assert "PASS" in cp.stdout or "MISS" in cp.stdout
 
+    images: list[str] = []
+    if with_native:
+        # containerd's own path: checkpoint into an archive, restore from it, on fresh memory
+        # the agent's store had never seen, from an image a registry served.
+        for k in NATIVE_SUMMARY:
+            assert _number(doc["summary"]["native"]["16"][k]), k
+        nat = doc["samples"]["native"]
+        s = nat["sizes"]["16"][0]
+        assert "@sha256:" in s["image_ref"] and s["image_ref"].startswith(nat["image"].split("/")[0] + "/")
+        assert s["agent"]["store_added_bytes"] >= 15 << 20, s["agent"]  # nothing of it was stored before
+        assert s["native"]["archive_bytes"] >= 16 << 20 and s["native"]["frozen_outside_ms"] > 0
+        assert s["native"]["call_s"] <= s["native"]["wall_s"]
+        for op in ("lazy", "native_restore"):
+            assert 0 < s[op]["wall_s"] and 0 < s[op]["first_tick_s"] < 60, (op, s[op])
+        assert "Against containerd's CheckpointContainer" in cp.stdout
+        images = [nat["image"], nat["repo_digest"]]
+        host = nat["image"].split("/")[0]
+        assert not os.path.exists(os.path.join(agent.info["registry_hosts_dir"], host))
+    else:
+        assert doc["summary"]["native_skipped"]
+
+    # Markdown from the results file: one column per containerd version in the targets table.
+    md = report.markdown(merged)
+    assert f"| containerd {doc['machine']['containerd']} |" in md and "## How each number is measured" in md
+
     # Nothing is left: pods, checkpoints, the work dir; the agent still serves.
     for ns in ("bench", "bench-r", "bench-stage"):
         assert pods_in(agent, ns) == [], ns
@@ -102,3 +143,7 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
     assert not (tmp_path / "work").exists()
     assert (set(os.listdir(plans)) if plans.is_dir() else set()) <= plans_before
     assert agent.agent.poll() is None
+    if images:
+        ctr = [agent.info["ctr_binary"], "--address", agent.info["containerd_socket"], "-n", "k8s.io"]
+        listed_images = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True, check=True).stdout
+        assert not set(images) & set(listed_images.split()), listed_images
