@@ -14,12 +14,17 @@ through `Header`'s methods, so that each reader checks those fields and its
 own size limit in the order it documents. Errors are `InvalidInput`, and
 `LimitExceeded` for a bound that was hit; those about one member name it.
 
-Standard library only; it never touches the filesystem.
+`MemberReader` is the reader for archives whose members are judged by
+the caller: it reports every kind (devices included), takes the end of the
+source for the end of the archive, and bounds the size of a regular file.
+
+Writing is `tarwrite`'s. Standard library only; it never touches the filesystem.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from .errors import InvalidInput, LimitExceeded
 
@@ -180,39 +185,6 @@ def pax_mtime_ns(value: bytes) -> int:
         raise InvalidInput(f"tar: PAX mtime {show(value)} is out of range")
     ns = int(whole) * 1_000_000_000 + (int((frac[:9] or b"0").ljust(9, b"0")) if dot else 0)
     return sign * ns
-
-
-def pax_record(key: bytes, value: bytes) -> bytes:
-    """One PAX record, its length field counting itself."""
-    body = len(key) + len(value) + 3  # " ", "=", "\n"
-    digits = len(str(body))
-    length = body + digits
-    if len(str(length)) != digits:
-        length += 1
-    return b"%d %s=%s\n" % (length, key, value)
-
-
-def ustar_header(name: bytes, mode: int, size: int, mtime: int, typeflag: bytes, *, uid: int = 0, gid: int = 0,
-                 linkname: bytes = b"", prefix: bytes = b"", uname: bytes = b"", gname: bytes = b"") -> bytes:
-    """One ustar header block; the caller has made every field fit (longer values go in PAX records)."""
-    h = bytearray(BLOCK)
-    h[0 : len(name)] = name
-    h[100:108] = b"%07o\0" % mode
-    h[108:116] = b"%07o\0" % uid
-    h[116:124] = b"%07o\0" % gid
-    h[124:136] = b"%011o\0" % size
-    h[136:148] = b"%011o\0" % mtime
-    h[148:156] = b"        "
-    h[156:157] = typeflag
-    h[157 : 157 + len(linkname)] = linkname
-    h[257:265] = b"ustar\x0000"
-    h[265 : 265 + len(uname)] = uname
-    h[297 : 297 + len(gname)] = gname
-    h[329:337] = b"0000000\0"
-    h[337:345] = b"0000000\0"
-    h[345 : 345 + len(prefix)] = prefix
-    h[148:156] = b"%06o\0 " % sum(h)
-    return bytes(h)
 
 
 class FileSource:
@@ -476,3 +448,65 @@ class TarStream:
         self._remaining = size
         self._pad = -size % BLOCK
         return Header(name, link, kind, size, block, pax, xattrs)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member as `MemberReader` reports it. `name` and `linkname` are raw bytes, `mtime` whole seconds."""
+
+    name: bytes
+    kind: str
+    size: int
+    mode: int
+    mtime: int
+    linkname: bytes
+
+
+def _whole_seconds(h: Header) -> int:
+    """The mtime in whole seconds; the fraction of a PAX mtime is dropped unread."""
+    value = h.pax.get(b"mtime")
+    if value is None:
+        return h.field(136, 148, "mtime")
+    whole = value.split(b".", 1)[0]
+    return pax_int(whole, "mtime", 1 << 40) if whole else 0
+
+
+class MemberReader:
+    """Members of a stream, or of a regular file read by offset; `next()` skips content left unread.
+
+    A source that ends without the two zero blocks, at a member boundary,
+    ends the archive. Every kind is reported, devices included: the caller
+    decides what it allows. A regular file larger than `max_member_bytes`
+    is LimitExceeded, its message naming the bound as `member_limit`.
+    """
+
+    def __init__(self, stream: Readable | FileSource, *, max_member_bytes: int,
+                 member_limit: str = "max_member_bytes") -> None:
+        # A regular file read by offset skips what is left unread without reading it.
+        source: FileSource | StreamSource = stream if isinstance(stream, FileSource) else StreamSource(stream)
+        self._headers = TarStream(
+            source,
+            eof_ends_archive=True,
+            devices=True,
+            slash_dirs_only=False,
+            max_pax_size=1 << 62,
+            pax_length_digits=23,
+        )
+        self._max_member = max_member_bytes
+        self._member_limit = member_limit
+
+    def read(self, n: int) -> bytes:
+        """Up to `n` bytes of the current member's content (b"" at its end)."""
+        return self._headers.read(n)
+
+    def next(self) -> Member | None:
+        """The next member, or None at the end of the archive."""
+        h = self._headers.next()
+        if h is None:
+            return None
+        if h.kind == FILE and h.size > self._max_member:
+            raise LimitExceeded(
+                f"tar member {h.shown}: {h.size} bytes is more than the limit of {self._max_member}"
+                f" ({self._member_limit})"
+            )
+        return Member(h.name, h.kind, h.size, h.mode(), _whole_seconds(h), h.linkname)

@@ -183,8 +183,9 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     import json
     import subprocess
 
-    from criu_bridge import locks, logs, rootfs
+    from criu_bridge import locks, logs
     from criu_bridge.errors import BridgeError
+    from criu_bridge.rootfs.apply import apply_diff
 
     with open(os.path.join(plan_dir, PLAN_FILE), encoding="utf-8") as fh:
         plan = json.load(fh)
@@ -216,7 +217,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         root = root if os.path.isabs(root) else os.path.join(bundle, root)
         diff = os.path.join(plan_dir, "rootfs-diff.tar")
         deleted = os.path.join(plan_dir, "deleted.files")
-        rootfs.apply_diff(
+        apply_diff(
             root,
             diff if os.path.exists(diff) else None,
             deleted if os.path.exists(deleted) else None,

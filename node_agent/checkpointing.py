@@ -22,45 +22,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from criu_bridge import freezer, rootfs
+from criu_bridge import freezer, mountinfo
 from criu_bridge import watchdog as wd
 from criu_bridge.errors import BridgeError, RuntimeFailure
 from criu_bridge.freezer import Freezer
+from criu_bridge.rootfs.capture import capture_diff
 from criu_bridge.rpc import CriuClient
-from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags, Runc, reap
-from node_agent import errors
-from node_agent.options import boolean
+from criu_bridge.runtime import CheckpointFlags, Runc, reap
+from node_agent import devshm, errors, podformat
 from node_agent.config import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
 from node_agent.journal import Entry, Journal
 from node_agent.metrics import Metrics, instrumented
+from node_agent.podformat import manifest_annotations, parse_all_options
+from node_agent.progress import Progress, ProgressFn, no_progress
 from node_agent.store import CheckpointRecord, Store
 from node_agent.turns import Turns
 
 log = logging.getLogger(__name__)
 
 GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
-METADATA_KIND = "node-agent.pod-checkpoint"
-# Manifest annotations (OCI): describe the checkpoint to registries and tools.
-ANNOTATION_PREFIX = "io.node-agent.checkpoint"
-POD_ANNOTATION = "io.node-agent.pod"  # "namespace/name": the retention group
-
-
-@dataclass(frozen=True)
-class Progress:
-    phase: str
-    containers_done: int = 0
-    containers_total: int = 0
-    bytes_done: int = 0
-    bytes_total: int = 0
-    message: str = ""
-
-
-ProgressFn = Callable[[Progress], None]
-
-
-def _no_progress(_: Progress) -> None:
-    pass
 
 
 @dataclass(frozen=True)
@@ -71,43 +52,6 @@ class CheckpointRequest:
     # Where the checkpoint is published: the agent's own store when None
     # (CRI CheckpointPod writes a self-contained store in the caller's directory).
     store: Store | None = None
-
-
-# Options handled by the agent itself rather than passed to runc.
-AGENT_OPTIONS = ("pre-dump",)
-SUPPORTED_OPTIONS = tuple(sorted((*CHECKPOINT_OPTIONS, *AGENT_OPTIONS)))
-
-
-# What a new checkpoint does unless its options say otherwise. File locks are
-# on, as LXC has them: databases, lock files and pid files are everywhere,
-# and CRIU refuses to dump a process that holds a lock without them.
-CHECKPOINT_DEFAULTS = {"file_locks": True}
-
-
-def parse_options(options: Mapping[str, str]) -> CheckpointFlags:
-    """The options a checkpoint was made with, as runc flags (absent: off); anything undocumented is refused."""
-    return parse_all_options(options, defaults=False)[0]
-
-
-def parse_all_options(options: Mapping[str, str], *, defaults: bool = True) -> tuple[CheckpointFlags, bool | None]:
-    """(runc flags, pre-dump wish: True/False, or None for the node's default) of a checkpoint to make.
-
-    `defaults`: options not given take `CHECKPOINT_DEFAULTS` (a new
-    checkpoint); without, they are off (options recorded with a dump).
-    """
-    values: dict[str, bool] = dict(CHECKPOINT_DEFAULTS) if defaults else {}
-    pre_dump: bool | None = None
-    for key, raw in options.items():
-        if key not in SUPPORTED_OPTIONS:
-            raise errors.InvalidArgument(
-                f"unknown checkpoint option {key!r} (supported: {', '.join(SUPPORTED_OPTIONS)})"
-            )
-        flag = boolean(raw, f"checkpoint option {key!r}")
-        if key == "pre-dump":
-            pre_dump = flag
-        else:
-            values[key.replace("-", "_")] = flag
-    return CheckpointFlags(**values), pre_dump
 
 
 async def resolve_pod(cri: CriClient, ref: str, within: Callable[[str], bool] | None = None) -> Pod:
@@ -162,16 +106,6 @@ def gpu_devices(spec: Mapping[str, Any]) -> list[str]:
     return sorted(set(found))
 
 
-def shm_source(spec: Mapping[str, Any]) -> str | None:
-    """The host directory behind a container's /dev/shm, if it is the pod's own."""
-    for m in spec.get("mounts") or []:
-        if m.get("destination") == "/dev/shm" and m.get("type") == "bind":
-            src = str(m.get("source", ""))
-            if src.startswith("/") and src.rstrip("/") != "/dev/shm":
-                return src
-    return None
-
-
 def _rfc3339(ts: float | None = None) -> str:
     return dt.datetime.fromtimestamp(ts or time.time(), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -193,7 +127,9 @@ class _Target:
 
 
 class Checkpointer:
-    def __init__(self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient) -> None:
+    def __init__(
+        self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
+    ) -> None:
         self.settings = settings
         self.cri = cri
         self.store = store
@@ -202,7 +138,7 @@ class Checkpointer:
         self.runc = Runc(settings.runc, settings.runc_root)
         self.turns = Turns(max_waiting=8)
         self._mem_track: bool | None = None
-        self.metrics = Metrics()
+        self.metrics = metrics
 
     async def _want_pre_dump(self, wish: bool | None, pod: Pod) -> bool:
         """Pre-dump where the kernel tracks dirty memory; say once when it can't."""
@@ -231,7 +167,7 @@ class Checkpointer:
 
     @instrumented("checkpoint")
     async def checkpoint(
-        self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = _no_progress
+        self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = no_progress
     ) -> CheckpointRecord:
         flags, pre_dump_wish = parse_all_options(req.options)
         timeout = timeout if timeout is not None else self.settings.timeouts.checkpoint
@@ -304,11 +240,11 @@ class Checkpointer:
         for d in details:
             try:
                 fz = freezer.freezer_of(d.pid)
-                upper = rootfs.upperdir_of(d.pid)
+                upper = mountinfo.upperdir_of(d.pid)
             except BridgeError as exc:
                 raise errors.FailedPrecondition(f"pod {pod.ref}, container {d.container.name}: {exc}") from exc
-            targets.append(_Target(d, fz, upper, os.path.join(work, "containers", d.container.name)))
-        shm = shm_source(details[0].spec)
+            targets.append(_Target(d, fz, upper, os.path.join(work, podformat.container_dir(d.container.name))))
+        shm = devshm.shm_source(details[0].spec)
         entry.data = {
             "pod": pod.ref,
             "pod_id": pod.id,
@@ -321,12 +257,12 @@ class Checkpointer:
         self.journal.write(entry)
         try:
             os.makedirs(work, mode=0o700)
-            os.makedirs(os.path.join(work, "pod", "cpuinfo"))
+            os.makedirs(os.path.join(work, podformat.POD_CPUINFO_DIR))
             for t in targets:
-                os.makedirs(os.path.join(t.dir, "checkpoint"))
+                os.makedirs(os.path.join(t.dir, podformat.IMAGES_DIR))
                 os.makedirs(os.path.join(t.dir, "work"))
             phase[0] = "criu cpuinfo dump"
-            await self.criu.cpuinfo_dump(os.path.join(work, "pod", "cpuinfo"))
+            await self.criu.cpuinfo_dump(os.path.join(work, podformat.POD_CPUINFO_DIR))
             criu_version = (await self.criu.version()).text
 
             if pre_dump:
@@ -411,15 +347,15 @@ class Checkpointer:
 
                 t0 = time.monotonic()
                 diff = asyncio.to_thread(
-                    rootfs.capture_diff, t.upperdir,
+                    capture_diff, t.upperdir,
                     os.path.join(t.dir, "rootfs-diff.tar"), os.path.join(t.dir, "deleted.files"),
                 )
                 try:
                     await asyncio.gather(
                         self.runc.checkpoint(
-                            t.id, image_dir=os.path.join(t.dir, "checkpoint"),
+                            t.id, image_dir=os.path.join(t.dir, podformat.IMAGES_DIR),
                             work_dir=os.path.join(t.dir, "work"), flags=flags,
-                            parent="../predump" if pre_dump else None,
+                            parent=f"../{podformat.PREDUMP_DIR}" if pre_dump else None,
                             on_start=started, procs=helpers,
                         ),
                         diff,
@@ -440,7 +376,7 @@ class Checkpointer:
 
             jobs = [dump(t) for t in targets]
             if shm:
-                jobs.append(self._capture_shm(shm, os.path.join(work, "pod")))
+                jobs.append(devshm.capture(shm, work))
             await _gather_all(jobs)
             ok = True
         finally:
@@ -459,7 +395,7 @@ class Checkpointer:
         async def one(t: _Target) -> None:
             try:
                 await self.runc.checkpoint(
-                    t.id, image_dir=os.path.join(t.dir, "predump"), work_dir=os.path.join(t.dir, "work-predump"),
+                    t.id, image_dir=os.path.join(t.dir, podformat.PREDUMP_DIR), work_dir=os.path.join(t.dir, "work-predump"),
                     flags=flags, pre_dump=True,
                 )
             except RuntimeFailure as exc:
@@ -496,15 +432,6 @@ class Checkpointer:
             await thaw_all()
         await asyncio.to_thread(guard.wait, 5.0)
 
-    async def _capture_shm(self, src: str, dest_dir: str) -> None:
-        try:
-            await asyncio.to_thread(
-                rootfs.capture_diff, src, os.path.join(dest_dir, "devshm.tar"),
-                os.path.join(dest_dir, "devshm.deleted"),
-            )
-        except BridgeError as exc:
-            raise errors.FailedPrecondition(f"cannot capture the pod's /dev/shm ({src}): {exc}") from exc
-
     def _keep_log(self, op_id: str, name: str, path: str | None) -> str | None:
         if not path or not os.path.exists(path):
             return None
@@ -519,7 +446,7 @@ class Checkpointer:
         frozen_ms: float, dump_ms: dict[str, float], criu_version: str,
     ) -> dict[str, Any]:
         return {
-            "kind": METADATA_KIND,
+            "kind": podformat.METADATA_KIND,
             "version": 1,
             "created": _rfc3339(),
             "node": socket.gethostname(),
@@ -545,29 +472,29 @@ class Checkpointer:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(obj, fh, sort_keys=True, indent=1)
 
-        dump(os.path.join(work, "pod", "config.json"), {"config": pod_detail.config, "runtime_handler": pod_detail.pod.runtime_handler})
+        dump(os.path.join(work, podformat.POD_CONFIG), {"config": pod_detail.config, "runtime_handler": pod_detail.pod.runtime_handler})
         for t in targets:
             d = t.detail
-            dump(os.path.join(t.dir, "config.dump"), {
+            dump(os.path.join(t.dir, podformat.CONFIG_DUMP), {
                 "id": d.container.id, "name": d.container.name,
                 "rootfsImage": d.container.image, "rootfsImageRef": d.container.image_ref,
                 "rootfsImageName": d.container.image, "runtime": "runc",
                 "createdTime": _rfc3339(d.container.created_ns / 1e9), "checkpointedTime": _rfc3339(),
                 "config": d.config, "log_path": d.log_path,
             })
-            dump(os.path.join(t.dir, "spec.dump"), d.spec)
+            dump(os.path.join(t.dir, podformat.SPEC_DUMP), d.spec)
             # The final images point at the pre-dump through a `parent` link;
             # restore puts it back (the store keeps files and dirs only).
-            parent = os.path.join(t.dir, "checkpoint", "parent")
+            parent = os.path.join(t.dir, podformat.IMAGES_DIR, "parent")
             if os.path.islink(parent):
                 os.unlink(parent)
             shutil.rmtree(os.path.join(t.dir, "work-predump"), ignore_errors=True)
             # CRIU's own log and statistics are part of the checkpoint; the scratch dir is not.
             wdir = os.path.join(t.dir, "work")
             if os.path.exists(os.path.join(wdir, "dump.log")):
-                os.replace(os.path.join(wdir, "dump.log"), os.path.join(t.dir, "dump.log"))
+                os.replace(os.path.join(wdir, "dump.log"), os.path.join(t.dir, podformat.DUMP_LOG))
             if os.path.exists(os.path.join(wdir, "stats-dump")):  # the images dir is where readers look
-                os.replace(os.path.join(wdir, "stats-dump"), os.path.join(t.dir, "checkpoint", "stats-dump"))
+                os.replace(os.path.join(wdir, "stats-dump"), os.path.join(t.dir, podformat.IMAGES_DIR, "stats-dump"))
             shutil.rmtree(wdir, ignore_errors=True)
 
     def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
@@ -591,30 +518,6 @@ def _hint(lines: Sequence[str]) -> str:
     text = " ".join(lines)
     found = [opt for flag, opt in _HINTS.items() if flag in text]
     return f" [retry with {', '.join(found)} to allow it]" if found else ""
-
-
-_OCI_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x"}
-
-
-def manifest_annotations(meta: Mapping[str, Any]) -> dict[str, str]:
-    """OCI manifest annotations that describe a checkpoint to registries and tools."""
-    pod = meta["pod"]
-    uname = os.uname()
-    p = ANNOTATION_PREFIX
-    return {
-        POD_ANNOTATION: f"{pod['namespace']}/{pod['name']}",
-        f"{p}.pod.namespace": str(pod["namespace"]),
-        f"{p}.pod.name": str(pod["name"]),
-        f"{p}.pod.uid": str(pod["uid"]),
-        f"{p}.containers": ",".join(c["name"] for c in meta["containers"]),
-        f"{p}.images": ",".join(c["image"] for c in meta["containers"]),
-        f"{p}.criu.version": str(meta.get("criu_version", "")),
-        f"{p}.kernel": uname.release,
-        f"{p}.architecture": _OCI_ARCH.get(uname.machine, uname.machine),
-        f"{p}.node": str(meta.get("node", "")),
-        f"{p}.frozen-ms": f"{float(meta.get('frozen_ms', 0.0)):.1f}",
-        f"{p}.pre-dump": "true" if meta.get("pre_dump") else "false",
-    }
 
 
 async def _gather_all(jobs: list[Any]) -> None:

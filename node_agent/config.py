@@ -1,72 +1,105 @@
 """Settings: every path, endpoint, timeout and policy in one frozen object.
 
 `load()` merges built-in defaults, an optional YAML config file and command
-line flags (in that order of precedence, flags last). Unknown config keys are
-rejected. No I/O besides reading the config file.
+line flags (in that order of precedence, flags last). No I/O besides reading
+the config file.
+
+The settings classes are the config file's schema: frozen msgspec `Struct`s
+whose fields, written with dashes (`raise_polls` is `raise-polls`), are the
+keys; a section is a nested Struct. Types and `Meta` bounds say what each key
+takes, so decoding refuses unknown keys, values of the wrong type and values
+out of bounds, and the message names the key (`devices.raise-polls`). The
+few values that need more than a type (a listener port given as a number,
+token realms, authorization rules) are classes of their own, parsed by
+`_parse_value`. `validate` adds the checks that relate values to the node
+(absolute paths, the listeners' addresses) and runs on flags too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+import re
+import sys
+from typing import Annotated, Any, Literal, Mapping, TypeVar, get_args, get_origin
 from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta, Struct, field
 
 from node_agent.authz import Rule, parse_rules
 from node_agent.errors import InvalidArgument
 
 DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
 
+# Numbers a config key takes: every one is finite (`le` the largest float
+# keeps out inf; every bound keeps out nan).
+Positive = Annotated[float, Meta(gt=0, le=sys.float_info.max)]
+NonNegative = Annotated[float, Meta(ge=0, le=sys.float_info.max)]
+Count = Annotated[int, Meta(ge=0)]
+AtLeastOne = Annotated[int, Meta(ge=1)]
 
-@dataclass(frozen=True)
-class Timeouts:
+LogFormat = Literal["text", "json"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+Effect = Literal["None", "NoSchedule", "NoExecute"]
+
+
+class Address(str):
+    """A listener address, `HOST:PORT` or a port; a bare port may be written as a number."""
+
+
+class TokenRealms(tuple[str, ...]):
+    """Token-server hosts, each kept once as `host:port`, lowercase (`token_realm_host`)."""
+
+
+class Rules(tuple[Rule, ...]):
+    """The mutual-TLS listener's authorization rules (`authz.parse_rules`)."""
+
+
+class _Section(Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
+    """A config mapping: its fields with dashes are its keys, and no others."""
+
+
+class Timeouts(_Section, frozen=True):
     """Deadlines (seconds) for every kind of awaited call."""
 
-    cri_call: float = 30.0
-    checkpoint: float = 300.0
-    restore: float = 300.0
+    cri_call: Positive = 30.0
+    checkpoint: Positive = 300.0
+    restore: Positive = 300.0
     # The longest a pod may stay frozen; the watchdog thaws it after this
     # even if the agent is alive but stuck.
-    max_freeze: float = 120.0
+    max_freeze: Positive = 120.0
     # Cleanup that must run (thaw, remove a half-made sandbox).
-    cleanup: float = 30.0
-    criu_rpc: float = 30.0
+    cleanup: Positive = 30.0
+    criu_rpc: Positive = 30.0
     # How long a lazily restored container may wait for StartContainer
     # before its page source gives up.
-    lazy_start: float = 600.0
+    lazy_start: Positive = 600.0
 
 
-@dataclass(frozen=True)
-class Retention:
+class Retention(_Section, frozen=True):
     """Which checkpoints the store keeps; 0 means no limit."""
 
-    max_per_pod: int = 0
-    max_total_bytes: int = 0
-    max_age_seconds: int = 0
+    max_per_pod: Count = 0
+    max_total_bytes: Count = 0
+    max_age_seconds: Count = 0
     # How often the daemon collects garbage (seconds); 0 turns it off.
-    gc_interval: int = 3600
+    gc_interval: Count = 3600
 
 
-_EFFECTS = ("None", "NoSchedule", "NoExecute")
-
-
-@dataclass(frozen=True)
-class Devices:
+class Devices(_Section, frozen=True):
     """Device health and DRA device taints (docs/devices.md)."""
 
     enabled: bool = True
-    poll_interval: float = 10.0
+    poll_interval: Positive = 10.0
     # A level condition (temperature, narrow link) counts after this many
     # consecutive polls; events (Xid, rising error counters) count at once.
-    raise_polls: int = 3
+    raise_polls: AtLeastOne = 3
     # A condition is over (and its taint removed) after this long clear.
-    clear_seconds: float = 60.0
+    clear_seconds: NonNegative = 60.0
     # For sensors without their own max/crit threshold, degrees Celsius.
-    temperature_max: float = 90.0
+    temperature_max: Positive = 90.0
     # Count a temperature this many degrees below its threshold already.
-    temperature_margin: float = 0.0
+    temperature_margin: NonNegative = 0.0
     # Many GPUs lower their link speed when idle: off by default.
     check_link_speed: bool = False
     xid_ignore: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
@@ -78,83 +111,36 @@ class Devices:
     taints: bool = True
     # The strongest effect a rule may escalate to, and after how long an
     # unhealthy condition escalates one step (None -> NoSchedule -> NoExecute).
-    max_effect: str = "None"
-    escalate_after: float = 300.0
+    max_effect: Effect = "None"
+    escalate_after: Positive = 300.0
     # API-server writes: a token bucket of this rate (per second) and burst.
-    write_rate: float = 0.2
-    write_burst: int = 10
+    write_rate: Positive = 0.2
+    write_burst: AtLeastOne = 10
     # How often ResourceSlices and the agent's own rules are listed again.
-    resync_interval: float = 60.0
-    api_timeout: float = 10.0
+    resync_interval: Positive = 60.0
+    api_timeout: Positive = 10.0
 
 
-def _section_items(section: str, value: Any, cls: type) -> Iterator[tuple[dataclasses.Field[Any], str, Any]]:
-    """(field, "section.key", value) for each key of a config section; unknown keys are errors."""
-    if not isinstance(value, Mapping):
-        raise InvalidArgument(f"config key {section!r} must be a mapping")
-    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
-    for key, val in value.items():
-        fld = fields.get(key) if isinstance(key, str) else None
-        if fld is None:
-            raise InvalidArgument(f"unknown config key '{section}.{key}' (known: {', '.join(sorted(fields))})")
-        yield fld, f"{section}.{key}", val
-
-
-def parse_devices(value: Any) -> Devices:
-    """The `devices:` section; keys are the field names with dashes."""
-    changes: dict[str, Any] = {}
-    for fld, name, val in _section_items("devices", value, Devices):
-        if fld.type in ("bool", bool):
-            if not isinstance(val, bool):
-                raise InvalidArgument(f"config key {name!r}: expected true or false, got {val!r}")
-            changes[fld.name] = val
-        elif fld.name == "xid_ignore":
-            if not isinstance(val, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in val):
-                raise InvalidArgument(f"config key {name!r}: expected a list of Xid numbers, got {val!r}")
-            changes[fld.name] = tuple(val)
-        elif fld.name == "clear_seconds" or fld.name == "temperature_margin":
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
-                raise InvalidArgument(f"config key {name!r}: expected a finite non-negative number, got {val!r}")
-            changes[fld.name] = float(val)
-        elif fld.type in ("float", float):
-            changes[fld.name] = _coerce(name, val, float)
-        elif fld.type in ("int", int):
-            changes[fld.name] = _coerce(name, val, int)
-        else:
-            changes[fld.name] = _coerce(name, val, str)
-    d = dataclasses.replace(Devices(), **changes)
-    if d.raise_polls < 1:
-        raise InvalidArgument("devices.raise-polls must be at least 1")
-    if d.write_burst < 1:
-        raise InvalidArgument("devices.write-burst must be at least 1")
-    if d.max_effect not in _EFFECTS:
-        raise InvalidArgument(f"devices.max-effect must be one of {', '.join(_EFFECTS)}")
-    return d
-
-
-@dataclass(frozen=True)
-class RegistrySettings:
+class RegistrySettings(_Section, frozen=True):
     """Pushes and pulls through OCI registries: deadlines, a minimum rate, token realms (docs/registry.md)."""
 
     # Each request to a registry or its token server (its redirects, auth
     # retries and body included) is over within this many seconds...
-    request_timeout: float = 60.0
+    request_timeout: Positive = 60.0
     # ...except a blob of N bytes, which may take max(request-timeout,
     # N / min-rate): bytes per second a blob moves at, at least, on average.
-    min_rate: float = 65536.0
+    min_rate: Positive = 65536.0
     # Each socket operation (connect, TLS handshake, one send, one receive).
-    io_timeout: float = 30.0
+    io_timeout: Positive = 30.0
     # Token servers on other hosts than the registry's own that may get
     # token requests and credentials, over HTTPS only: `host` (port 443) or
     # `host:port`. Kept as `host:port`, lowercase.
-    token_realms: tuple[str, ...] = ()
+    token_realms: TokenRealms = TokenRealms()
 
     def as_mapping(self) -> dict[str, Any]:
         """The `registry:` section that `parse_registry` reads back into these settings."""
-        return {
-            "request-timeout": self.request_timeout, "min-rate": self.min_rate,
-            "io-timeout": self.io_timeout, "token-realms": list(self.token_realms),
-        }
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
 
 
 def token_realm_host(value: Any, what: str = "registry.token-realms") -> str:
@@ -173,24 +159,9 @@ def token_realm_host(value: Any, what: str = "registry.token-realms") -> str:
     return f"[{host}]:{port or 443}" if ":" in host else f"{host}:{port or 443}"
 
 
-def parse_registry(value: Any) -> RegistrySettings:
-    """The `registry:` section; keys are the field names with dashes."""
-    changes: dict[str, Any] = {}
-    for fld, name, val in _section_items("registry", value, RegistrySettings):
-        if fld.name == "token_realms":
-            if not isinstance(val, list):
-                raise InvalidArgument(f"config key {name!r}: expected a list of hosts, got {val!r}")
-            changes[fld.name] = tuple(dict.fromkeys(token_realm_host(v, name) for v in val))
-            continue
-        number = _coerce(name, val, float)
-        if not math.isfinite(number):
-            raise InvalidArgument(f"config key {name!r}: must be a finite number, got {val!r}")
-        changes[fld.name] = number
-    return dataclasses.replace(RegistrySettings(), **changes)
+class Document(_Section, frozen=True):
+    """Every key of a config file: the settings less where they were read from."""
 
-
-@dataclass(frozen=True)
-class Settings:
     cri_endpoint: str = "unix:///run/containerd/containerd.sock"
     socket: str = "/run/node-agent/agent.sock"
     store: str = "/var/lib/node-agent"
@@ -200,11 +171,11 @@ class Settings:
     criu: str = "criu"
     # Group (name or gid) allowed on the local socket besides root.
     socket_group: str = ""
-    log_format: str = "text"
-    log_level: str = "info"
+    log_format: LogFormat = "text"
+    log_level: LogLevel = "info"
     # Free bytes a restore leaves on the store's filesystem, beyond the
     # checkpoint's own size.
-    min_free_bytes: int = 256 << 20
+    min_free_bytes: Count = 256 << 20
     # Where pods' log directories live, and the cgroup parent, for pods made
     # from foreign (e.g. Podman) archives.
     pod_log_root: str = "/var/log/pods"
@@ -215,22 +186,22 @@ class Settings:
     kubelet_root: str = "/var/lib/kubelet"
     # Pre-dump memory while the pod runs where the kernel tracks dirty
     # memory: "auto" (default: where supported), "always" or "never".
-    pre_dump: str = "auto"
+    pre_dump: Literal["auto", "always", "never"] = "auto"
     # Restore lazily (containers start at once, their memory streams in
     # from the store) where CRIU and the kernel support it: "auto" (the
     # default) or "never". A restore's own `lazy` option overrides this.
-    lazy_restore: str = "auto"
+    lazy_restore: Literal["auto", "never"] = "auto"
     # The mutual-TLS API listener (HOST:PORT; off when empty), its PEM
     # files (re-read when they change) and who may call what there.
     listen: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
-    authorization: tuple[Rule, ...] = ()
+    authorization: Rules = Rules()
     # Plaintext health (HOST:PORT or PORT, loopback by default) and
     # Prometheus metrics listeners; off when empty.
-    health_listen: str = ""
-    metrics_listen: str = ""
+    health_listen: Address = Address("")
+    metrics_listen: Address = Address("")
     # The CRI endpoint for the kubelet (unix:///path; off when empty).
     cri_listen: str = ""
     # The interpreter the restore wrapper runs on, as a host path. Empty: the
@@ -244,6 +215,9 @@ class Settings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
     registry: RegistrySettings = field(default_factory=RegistrySettings)
+
+
+class Settings(Document, frozen=True):
     # The YAML file these settings were read from ("" if none): not a key of
     # its own, it only lets messages name the file to pass again.
     config_file: str = ""
@@ -274,86 +248,137 @@ class Settings:
         return os.path.join(self.bin_dir, "node-agent-runc")
 
 
-_SECTIONS: dict[str, Any] = {"timeouts": Timeouts, "retention": Retention}
+# ---- decoding ------------------------------------------------------------------
+
+T = TypeVar("T")
 
 
-def _listen_value(value: Any) -> str:
-    """A listener address; a bare port may be written as a number."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, str):
-        raise InvalidArgument(f"a listener address must be HOST:PORT or a port, got {value!r}")
-    return value
+def _parse_value(kind: type, value: Any) -> Any:
+    """The values whose class says more than a type can (msgspec's `dec_hook`)."""
+    if kind is Address:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return Address(value)
+        if not isinstance(value, str):
+            raise ValueError(f"must be HOST:PORT or a port, got {_shown(value)}")
+        return Address(value)
+    if kind is TokenRealms:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"must be a list of hosts, got {_shown(value)}")
+        return TokenRealms(dict.fromkeys(token_realm_host(v) for v in value))
+    if kind is Rules:
+        return Rules(parse_rules(value))
+    raise NotImplementedError(kind)
 
 
-# Keys with their own parser: config key -> (attribute, parser).
-_PARSED: dict[str, tuple[str, Any]] = {
-    "authorization": ("authorization", parse_rules),
-    "health-listen": ("health_listen", _listen_value),
-    "metrics-listen": ("metrics_listen", _listen_value),
-    "devices": ("devices", parse_devices),
-    "registry": ("registry", parse_registry),
-}
-_NOT_KEYS = {"config_file"}
-_TOP_KEYS = {
-    f.name.replace("_", "-"): f.name for f in dataclasses.fields(Settings)
-    if f.name not in _SECTIONS and f.name.replace("_", "-") not in _PARSED and f.name not in _NOT_KEYS
-}
-_LOG_FORMATS = ("text", "json")
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+def _decode(data: Any, kind: type[T], within: str = "") -> T:
+    """`data` (a parsed document, or the section `within`) as `kind`; InvalidArgument names the failing key."""
+    try:
+        return msgspec.convert(data, kind, dec_hook=_parse_value)
+    except msgspec.ValidationError as exc:
+        raise _refusal(str(exc), data, kind, within) from None
 
 
-def _coerce(name: str, value: Any, want: type) -> Any:
-    if want is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidArgument(f"config key {name!r}: expected a finite number, got {value!r}")
-        if value <= 0:
-            raise InvalidArgument(f"config key {name!r}: must be positive, got {value!r}")
-        return float(value)
-    if want is int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgument(f"config key {name!r}: expected a non-negative integer, got {value!r}")
-        return value
-    if not isinstance(value, str):
-        raise InvalidArgument(f"config key {name!r}: expected a string, got {value!r}")
-    return value
+_AT = re.compile(r"(.*) - at `\$((?:\.[^.\[`]+|\[\d+\])*)`", re.S)
+_STEP = re.compile(r"\.([^.\[`]+)|\[(\d+)\]")
+_UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.S)
 
 
-def from_mapping(data: Mapping[str, Any], base: Settings | None = None) -> Settings:
+def _refusal(message: str, data: Any, kind: type, within: str) -> InvalidArgument:
+    """msgspec's complaint in the agent's words: the key, what it takes, what it got."""
+    at = _AT.fullmatch(message)
+    if at is None and " - at `" in message:  # about a mapping's key itself (`key` in `$...`), not a value
+        section = ".".join(filter(None, (within, message.rpartition("`$")[2].rstrip("`").lstrip("."))))
+        return InvalidArgument(f"config{' key ' + repr(section) if section else ''}: every key must be a string")
+    # msgspec leaves out the path where the document as a whole is wrong.
+    what, where = (at[1], at[2]) if at else (message, "")
+    steps = [(name, int(index) if index else None) for name, index in _STEP.findall(where)]
+    key = ".".join(filter(None, (within, where.lstrip("."))))
+    annotation: Any = kind
+    value: Any = data
+    for name, index in steps:
+        annotation = _step_type(annotation, name, index)
+        value = _step_value(value, name, index)
+    unknown = _UNKNOWN.fullmatch(what)
+    if unknown:
+        name = f"{key}.{unknown[1]}" if key else unknown[1]
+        known = sorted(f.encode_name for f in _fields(annotation))
+        return InvalidArgument(f"unknown config key {name!r}" + (f" (known: {', '.join(known)})" if known else ""))
+    wanted = _wanted(annotation)
+    said = f"must be {wanted}, got {_shown(value)}" if wanted and value is not _MISSING else what
+    if not key:
+        return InvalidArgument(f"config file: the top level {said}")
+    return InvalidArgument(f"config key {key!r}: {said}")
+
+
+_MISSING: Any = object()
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Struct)
+
+
+def _fields(annotation: Any) -> tuple[msgspec.structs.FieldInfo, ...]:
+    return msgspec.structs.fields(annotation) if _is_section(annotation) else ()
+
+
+def _step_type(annotation: Any, name: str, index: int | None) -> Any:
+    """The type of a key (`name`) or list item (`index`) inside a value of type `annotation`; None if unknown."""
+    if index is not None:
+        items = get_args(annotation)
+        return items[0] if get_origin(annotation) in (tuple, list) and items else None
+    return next((f.type for f in _fields(annotation) if f.encode_name == name), None)
+
+
+def _step_value(value: Any, name: str, index: int | None) -> Any:
+    try:
+        return value[index] if index is not None else value[name]
+    except (LookupError, TypeError):
+        return _MISSING
+
+
+def _wanted(annotation: Any) -> str:
+    """What a key of this type takes, in words ("" when its own parser says so)."""
+    if annotation is None:
+        return ""
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(map(str, get_args(annotation)))
+    if _is_section(annotation):
+        return "a mapping"
+    it = msgspec.inspect
+    info = it.type_info(annotation)
+    if isinstance(info, it.FloatType):
+        sign = "positive, " if info.gt == 0 else "non-negative, " if info.ge == 0 else ""
+        return f"a {sign}finite number"
+    if isinstance(info, it.IntType):
+        if info.ge is None:
+            return "an integer"
+        return "a non-negative integer" if info.ge == 0 else f"an integer of at least {info.ge}"
+    if isinstance(info, it.BoolType):
+        return "true or false"
+    if isinstance(info, it.StrType):
+        return "a string"
+    if isinstance(info, (it.VarTupleType, it.ListType)):
+        return "a list"
+    return ""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_registry(value: Any) -> RegistrySettings:
+    """The `registry:` section; keys are the field names with dashes."""
+    return _decode(value, RegistrySettings, "registry")
+
+
+def from_mapping(data: Mapping[str, Any]) -> Settings:
     """Settings from a parsed config document; unknown keys are errors."""
-    base = base or Settings()
-    if not isinstance(data, Mapping):
-        raise InvalidArgument("config file: the top level must be a mapping")
-    changes: dict[str, Any] = {}
-    types = {f.name: f.type for f in dataclasses.fields(Settings)}
-    for key, value in data.items():
-        if key in _SECTIONS:
-            if not isinstance(value, Mapping):
-                raise InvalidArgument(f"config key {key!r} must be a mapping")
-            section = _SECTIONS[key]
-            known = {f.name.replace("_", "-"): f for f in dataclasses.fields(section)}
-            schanges = {}
-            for skey, sval in value.items():
-                if skey not in known:
-                    raise InvalidArgument(
-                        f"unknown config key '{key}.{skey}' (known: {', '.join(sorted(known))})"
-                    )
-                fld = known[skey]
-                num: type = float if fld.type in ("float", float) else int
-                schanges[fld.name] = _coerce(f"{key}.{skey}", sval, num)
-            changes[key] = dataclasses.replace(getattr(base, key), **schanges)
-            continue
-        if key in _PARSED:
-            attr, parse = _PARSED[key]
-            changes[attr] = parse(value)
-            continue
-        if key not in _TOP_KEYS:
-            names = sorted({*_TOP_KEYS, *_SECTIONS, *_PARSED})
-            raise InvalidArgument(f"unknown config key {key!r} (known: {', '.join(names)})")
-        attr = _TOP_KEYS[key]
-        kind: type = int if types[attr] in ("int", int) else str
-        changes[attr] = _coerce(key, value, kind)
-    return validate(dataclasses.replace(base, **changes))
+    document = _decode(data, Document)
+    return validate(Settings(**msgspec.structs.asdict(document)))
+
+
+# ---- checks beyond types -----------------------------------------------------
 
 
 def validate(s: Settings) -> Settings:
@@ -366,14 +391,6 @@ def validate(s: Settings) -> Settings:
         raise InvalidArgument(f"cri-listen must be a unix:///path URL, got {s.cri_listen!r}")
     if s.wrapper_python and not os.path.isabs(s.wrapper_python):
         raise InvalidArgument(f"wrapper-python must be an absolute path, got {s.wrapper_python!r}")
-    if s.log_format not in _LOG_FORMATS:
-        raise InvalidArgument(f"log-format must be one of {', '.join(_LOG_FORMATS)}")
-    if s.log_level not in _LOG_LEVELS:
-        raise InvalidArgument(f"log-level must be one of {', '.join(_LOG_LEVELS)}")
-    if s.pre_dump not in ("auto", "always", "never"):
-        raise InvalidArgument("pre-dump must be auto, always or never")
-    if s.lazy_restore not in ("auto", "never"):
-        raise InvalidArgument("lazy-restore must be auto or never")
     if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
         raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
     return _validate_listeners(s)
@@ -405,28 +422,34 @@ def _validate_listeners(s: Settings) -> Settings:
     return s
 
 
+# ---- loading -------------------------------------------------------------------
+
+
 def load(path: str | None, overrides: Mapping[str, Any] | None = None) -> Settings:
     """Defaults, then the YAML file at `path` (if given), then `overrides`.
 
-    `overrides` uses attribute names (cri_endpoint, ...); None values are
-    ignored so argparse namespaces can be passed through unchanged.
+    An empty file sets nothing. `overrides` uses attribute names
+    (cri_endpoint, ...); None values are ignored so argparse namespaces can
+    be passed through unchanged.
     """
     settings = Settings()
     if path:
-        import yaml
-
         try:
-            with open(path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh)
+            with open(path, "rb") as fh:
+                data = msgspec.yaml.decode(fh.read())
         except OSError as exc:
             raise InvalidArgument(f"cannot read config file {path}: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
+        except msgspec.DecodeError as exc:
             raise InvalidArgument(f"config file {path} is not valid YAML: {exc}") from exc
-        settings = dataclasses.replace(from_mapping(data or {}, settings), config_file=os.path.abspath(path))
+        settings = msgspec.structs.replace(from_mapping({} if data is None else data), config_file=os.path.abspath(path))
     if overrides:
         changes = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+        unknown = set(changes) - set(Settings.__struct_fields__)
         if unknown:
             raise InvalidArgument(f"unknown settings: {', '.join(sorted(unknown))}")
-        settings = dataclasses.replace(settings, **changes)
+        # A flag takes what its key takes.
+        keys = {f.name: f.encode_name for f in msgspec.structs.fields(Document)}
+        given = _decode({keys[k]: v for k, v in changes.items() if k in keys}, Document)
+        changes.update((k, getattr(given, k)) for k in changes if k in keys)
+        settings = msgspec.structs.replace(settings, **changes)
     return validate(settings)

@@ -33,11 +33,12 @@ from node_agent import sdnotify
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import SERVER_OPTIONS, Listeners
-from node_agent.checkpointing import POD_ANNOTATION, Checkpointer
+from node_agent.checkpointing import Checkpointer
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
 from node_agent.metrics import Metrics
+from node_agent.podformat import POD_ANNOTATION
 from node_agent.recovery import recover
 from node_agent.restoring import Restorer
 from node_agent.store import Store
@@ -125,7 +126,7 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     store = Store(s.store)
     from node_agent.registry.fetching import RemoteBlobs
 
-    store.fetcher = RemoteBlobs(store, settings=s.registry)  # chunks that lazy pulls left in their registries
+    store.origins.fetcher = RemoteBlobs(store, settings=s.registry)  # chunks that lazy pulls left in their registries
     report = await asyncio.to_thread(store.recover)
     log.info("store at %s: %s", s.store, report)
     journal = Journal(s.journal_dir)
@@ -135,11 +136,10 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
         n = await recover(s, journal, cri)
         if n:
             log.warning("recovered %d unfinished operation(s)", n)
-        checkpointer = Checkpointer(s, cri, store, journal, criu)
-        restorer = Restorer(s, cri, store, journal, criu)
         metrics = Metrics()
         metrics.store_size = store.usage
-        checkpointer.metrics = restorer.metrics = metrics
+        checkpointer = Checkpointer(s, cri, store, journal, criu, metrics)
+        restorer = Restorer(s, cri, store, journal, criu, metrics)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         policy = retention_policy(s)
 

@@ -5,8 +5,9 @@ carries. Whoever made it must not decide, through them, what a new
 container may touch on this node: `findings` names every item of those
 configs that reaches past the pod's own sandbox, and `refuse` turns them
 into FAILED_PRECONDITION unless the caller allowed host access. One check
-for every path that restores or imports a checkpoint: the store restore
-(CLI, API), CRI RestorePod, restore through a Pod, and archive import.
+(`podformat.refuse_host_access`) for every path that restores or imports a
+checkpoint: the store restore (CLI, API), CRI RestorePod, restore through a
+Pod, and archive import.
 
 Host access is:
 - a host-path mount outside the pod's own volumes (the kubelet's

@@ -1,22 +1,29 @@
 """Prometheus metrics: what the checkpointer and restorer report, and the exporter.
 
-`Metrics` is a small in-process registry (counters, histograms, gauges
-computed at scrape time) rendered in the Prometheus text exposition format
-0.0.4. The checkpointer and restorer report into it through `instrumented`
-and `observe_ingest`; `serve_metrics` answers `GET /metrics` on a TCP port.
-Observing takes a lock and does no I/O; rendering runs the gauge callbacks
-(the store's size) in a thread.
+`Metrics` keeps the agent's series in a `prometheus_client` registry of its
+own (never the library's global one), beside the library's process and
+platform collectors (`process_*`: memory, open fds, CPU; `python_info`). The
+checkpointer and restorer report into it through `instrumented` and
+`observe_ingest`; the store's size and the devices by health are gauges
+computed at scrape time from callbacks. The exposition is the text format
+0.0.4 without `_created` series. `serve_metrics` answers `GET /metrics` on a
+TCP port from the agent's event loop, so it closes with the other listeners.
+Observing does no I/O; rendering runs the callbacks (the store's size walks
+its blobs) and belongs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
-import math
-import threading
 import time
-from typing import Any, Awaitable, Callable, Mapping, TypeVar, cast
+from typing import Any, Awaitable, Callable, Iterator, Mapping, TypeVar, cast
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from node_agent import errors
 
@@ -30,64 +37,45 @@ FROZEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 DEVICE_HEALTH = ("healthy", "degraded", "unhealthy", "unmonitored")
 
 
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    esc = {k: v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(esc.items())) + "}"
-
-
-def _num(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
-
-
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts):
-            running += n
-            out.append(f'{name}_bucket{{le="{_num(bound)}"}} {running}')
-        out.append(f"{name}_sum {_num(self.sum)}")
-        out.append(f"{name}_count {self.count}")
-        return out
-
-
 class Metrics:
-    """The agent's metrics; safe to call from any thread."""
+    """The agent's metrics; safe to call from any thread.
+
+    A `Collector` itself: it yields its registry's families without the
+    `_created` samples (when each series began), which no dashboard of the
+    agent reads and which would double the counters' output.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.checkpoint_seconds = _Histogram(DURATION_BUCKETS)
-        self.frozen_seconds = _Histogram(FROZEN_BUCKETS)
-        self.restore_seconds = _Histogram(DURATION_BUCKETS)
-        self.bytes_written = 0
-        self.bytes_deduplicated = 0
-        self.checkpoints = 0
-        self.restores = 0
-        self.failures: dict[tuple[str, str], int] = {}
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.checkpoint_seconds = Histogram(
+            "node_agent_checkpoint_duration_seconds", "Time from request to published checkpoint.",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.frozen_seconds = Histogram(
+            "node_agent_checkpoint_frozen_seconds", "How long each checkpointed pod stayed frozen.",
+            buckets=FROZEN_BUCKETS, registry=r)
+        self.bytes_written = Counter(
+            "node_agent_checkpoint_bytes_written", "Stored bytes of checkpoint content that were new to the store.",
+            registry=r)
+        self.bytes_deduplicated = Counter(
+            "node_agent_checkpoint_bytes_deduplicated", "Stored bytes of checkpoint content the store already held.",
+            registry=r)
+        self.checkpoints = Counter("node_agent_checkpoints", "Checkpoints published.", registry=r)
+        self.restore_seconds = Histogram(
+            "node_agent_restore_duration_seconds", "Time from request to restored pod.",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.restores = Counter("node_agent_restores", "Restores completed.", registry=r)
+        self.failures = Counter(
+            "node_agent_failures", "Failed operations by operation and gRPC status code.",
+            ("operation", "reason"), registry=r)
         self.store_size: Callable[[], int] | None = None
         # Measuring the store walks its blobs: at most once per this many seconds.
         self.store_size_ttl = 10.0
         self._size: tuple[float, int] | None = None
         self.device_health: Callable[[], Mapping[str, int]] = lambda: {h: 0 for h in DEVICE_HEALTH}
+        r.register(_Gauges(self))
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
 
     # ---- reports -----------------------------------------------------------
 
@@ -95,80 +83,71 @@ class Metrics:
         """A checkpoint was published after `seconds`; its frozen window is in its metadata."""
         meta = getattr(record, "metadata", None) or {}
         frozen_ms = meta.get("frozen_ms") if isinstance(meta, Mapping) else None
-        with self._lock:
-            self.checkpoints += 1
-            self.checkpoint_seconds.observe(seconds)
-            if isinstance(frozen_ms, (int, float)) and not isinstance(frozen_ms, bool):
-                self.frozen_seconds.observe(frozen_ms / 1000.0)
+        self.checkpoints.inc()
+        self.checkpoint_seconds.observe(seconds)
+        if isinstance(frozen_ms, (int, float)) and not isinstance(frozen_ms, bool):
+            self.frozen_seconds.observe(frozen_ms / 1000.0)
 
     def observe_ingest(self, record: Any, new_bytes: int) -> None:
         """A checkpoint's content went into the store: `new_bytes` were new, the rest of its stored size was there already."""
         stored = int(getattr(record, "stored_size", 0) or 0)
-        with self._lock:
-            self.bytes_written += max(new_bytes, 0)
-            self.bytes_deduplicated += max(stored - new_bytes, 0)
+        self.bytes_written.inc(max(new_bytes, 0))
+        self.bytes_deduplicated.inc(max(stored - new_bytes, 0))
 
     def observe_restore(self, result: Any, seconds: float) -> None:
-        with self._lock:
-            self.restores += 1
-            self.restore_seconds.observe(seconds)
+        self.restores.inc()
+        self.restore_seconds.observe(seconds)
 
     def observe_failure(self, operation: str, exc: BaseException) -> str:
         """A failed operation, counted by the gRPC status code it maps to (returned)."""
         reason = failure_reason(exc)
-        with self._lock:
-            key = (operation, reason)
-            self.failures[key] = self.failures.get(key, 0) + 1
+        self.failures.labels(operation=operation, reason=reason).inc()
         return reason
 
     # ---- exposition --------------------------------------------------------
 
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = [s for s in family.samples if s.name != family.name + "_created"]
+            if len(kept) != len(family.samples):
+                family = copy.copy(family)  # a collector may hand out the same family each time
+                family.samples = kept
+            yield family
+
     def render(self) -> str:
         """The text exposition; calls the gauge callbacks (blocking: run it in a thread)."""
-        size: int | None = None
+        return generate_latest(self).decode()
+
+    def measured_store_size(self) -> int | None:
+        """The store's size, measured at most once per `store_size_ttl`; None when it cannot be measured."""
         now = time.monotonic()
         if self._size is not None and now - self._size[0] < self.store_size_ttl:
-            size = self._size[1]
-        elif self.store_size is not None:
-            try:
-                size = self.store_size()
-                self._size = (now, size)
-            except Exception as exc:  # noqa: BLE001 - a scrape shows what it can
-                log.warning("cannot measure the store for metrics: %s", exc)
-        devices = dict(self.device_health())
-        out: list[str] = []
+            return self._size[1]
+        if self.store_size is None:
+            return None
+        try:
+            size = self.store_size()
+        except Exception as exc:  # noqa: BLE001 - a scrape shows what it can
+            log.warning("cannot measure the store for metrics: %s", exc)
+            return None
+        self._size = (now, size)
+        return size
 
-        def family(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
 
-        with self._lock:
-            family("node_agent_checkpoint_duration_seconds", "histogram", "Time from request to published checkpoint.")
-            out += self.checkpoint_seconds.lines("node_agent_checkpoint_duration_seconds")
-            family("node_agent_checkpoint_frozen_seconds", "histogram", "How long each checkpointed pod stayed frozen.")
-            out += self.frozen_seconds.lines("node_agent_checkpoint_frozen_seconds")
-            family("node_agent_checkpoint_bytes_written_total", "counter",
-                   "Stored bytes of checkpoint content that were new to the store.")
-            out.append(f"node_agent_checkpoint_bytes_written_total {self.bytes_written}")
-            family("node_agent_checkpoint_bytes_deduplicated_total", "counter",
-                   "Stored bytes of checkpoint content the store already held.")
-            out.append(f"node_agent_checkpoint_bytes_deduplicated_total {self.bytes_deduplicated}")
-            family("node_agent_checkpoints_total", "counter", "Checkpoints published.")
-            out.append(f"node_agent_checkpoints_total {self.checkpoints}")
-            family("node_agent_restore_duration_seconds", "histogram", "Time from request to restored pod.")
-            out += self.restore_seconds.lines("node_agent_restore_duration_seconds")
-            family("node_agent_restores_total", "counter", "Restores completed.")
-            out.append(f"node_agent_restores_total {self.restores}")
-            family("node_agent_failures_total", "counter", "Failed operations by operation and gRPC status code.")
-            for (op, reason), n in sorted(self.failures.items()):
-                out.append(f"node_agent_failures_total{_labels({'operation': op, 'reason': reason})} {n}")
+class _Gauges:
+    """The gauges computed at scrape time: the store's size (left out when unknown), devices by health."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        size = self.metrics.measured_store_size()
         if size is not None:
-            family("node_agent_store_size_bytes", "gauge", "Bytes used by the store's blobs.")
-            out.append(f"node_agent_store_size_bytes {size}")
-        family("node_agent_devices", "gauge", "Devices by health.")
-        for health in sorted(devices):
-            out.append(f"node_agent_devices{_labels({'health': health})} {devices[health]}")
-        return "\n".join(out) + "\n"
+            yield GaugeMetricFamily("node_agent_store_size_bytes", "Bytes used by the store's blobs.", value=size)
+        devices = GaugeMetricFamily("node_agent_devices", "Devices by health.", labels=("health",))
+        for health, n in sorted(dict(self.metrics.device_health()).items()):
+            devices.add_metric((health,), n)
+        yield devices
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -219,6 +198,9 @@ def instrumented(operation: str) -> Callable[[F], F]:
 
 
 # ---- the exporter ------------------------------------------------------------
+# A few lines of asyncio rather than the library's threaded server: each
+# request is bounded in size and time, and closing the listener ends it at
+# once, within the daemon's shutdown, however slow its clients are.
 
 _MAX_REQUEST = 8192
 
@@ -235,7 +217,7 @@ async def _answer(metrics: Metrics, reader: asyncio.StreamReader, writer: asynci
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
             elif path in ("/metrics", "/"):
                 text = await asyncio.to_thread(metrics.render)
-                status, ctype, body = "200 OK", "text/plain; version=0.0.4; charset=utf-8", text.encode()
+                status, ctype, body = "200 OK", CONTENT_TYPE_PLAIN_0_0_4, text.encode()
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"see /metrics\n"
             writer.write(

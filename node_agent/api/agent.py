@@ -18,7 +18,8 @@ from node_agent import errors
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api import convert
-from node_agent.checkpointing import Checkpointer, CheckpointRequest, Progress
+from node_agent.checkpointing import Checkpointer, CheckpointRequest
+from node_agent.progress import Progress
 from node_agent.restoring import Restorer, RestoreRequest
 from node_agent.store import Store
 
@@ -248,9 +249,9 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         from node_agent.registry.fetching import RemoteBlobs, repository_key
 
         def fn(progress: Callable[[Any], None]) -> Any:
-            if defer is not None and isinstance(store.fetcher, RemoteBlobs) and creds.password:
+            if defer is not None and isinstance(store.origins.fetcher, RemoteBlobs) and creds.password:
                 # The password stays in memory, for the chunks fetched later.
-                store.fetcher.passwords[repository_key(request.reference)] = creds.password
+                store.origins.fetcher.passwords[repository_key(request.reference)] = creds.password
             return registry.pull(store, request.reference, creds, progress=progress, defer=defer,
                                  settings=self.settings.registry)
 

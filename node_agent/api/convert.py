@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from node_agent import podformat
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
-from node_agent.checkpointing import Progress
+from node_agent.progress import Progress
 from node_agent.restoring import RestoredPod
 from node_agent.store import CheckpointRecord
 
@@ -25,7 +26,7 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
     sizes: dict[str, int] = {}
     for f in rec.files:
         parts = f.path.split("/")
-        if len(parts) > 2 and parts[0] == "containers":
+        if len(parts) > 2 and parts[0] == podformat.CONTAINERS_DIR:
             sizes[parts[1]] = sizes.get(parts[1], 0) + f.size
     containers = []
     for c in meta.get("containers") or []:
@@ -34,7 +35,7 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
         name = _s(c.get("name"))
         containers.append(pb.ContainerInfo(
             name=name, id=_s(c.get("id")), image=_s(c.get("image")), image_ref=_s(c.get("image_ref")),
-            size=sizes.get(name, 0), dump_log=f"containers/{name}/dump.log", dump_ms=_f(c.get("dump_ms")),
+            size=sizes.get(name, 0), dump_log=podformat.container_path(name, podformat.DUMP_LOG), dump_ms=_f(c.get("dump_ms")),
         ))
     raw_opts = meta.get("options")
     opts: Mapping[str, Any] = raw_opts if isinstance(raw_opts, Mapping) else {}

@@ -31,23 +31,22 @@ import shutil
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import errors, handler
+from node_agent import devshm, errors, handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
-from node_agent.checkpointing import CheckpointRequest, Checkpointer, parse_all_options
+from node_agent.checkpointing import CheckpointRequest, Checkpointer
 from node_agent.cri.client import to_json
 from node_agent.options import boolean
-from node_agent.restoring import (
-    RestoreRequest, Restorer, check_host_access, load_saved, parse_restore_options, undo_restore,
-)
-from node_agent.store import CheckpointRecord, CheckpointWriter, Store
+from node_agent.podformat import check_host_access, load_saved, parse_all_options
+from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options, undo_restore
+from node_agent.store import CheckpointRecord, Store, WriterHooks
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
 # into the host (`true` or `false`; docs/cri-endpoint.md).
 ALLOW_HOST_ACCESS = "checkpoint.node-agent.io/allow-host-access"
 STATE_DIR = "cri-restores"
-S = TypeVar("S", bound=Store)
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -103,17 +101,17 @@ def _empty_dir(path: str) -> None:
             log.warning("cannot remove %s: %s", p, exc.strerror)
 
 
-def _open_store(path: str, kind: type[S]) -> S:
+def _open_store(path: str, writer_hooks: WriterHooks | None = None) -> Store:
     """A store rooted at a caller's directory, leaving the directory's own mode alone."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     try:
-        return kind(path)
+        return Store(path, writer_hooks=writer_hooks)
     finally:
         os.chmod(path, mode)
 
 
-class _OutputStore(Store):
-    """The caller's output_path: its writers can be abandoned, and waited for.
+class _OutputWriters:
+    """The writers of the caller's output_path (its store's ``WriterHooks``): they can be abandoned, and waited for.
 
     A cancelled call stops awaiting the writer's thread, which may still be
     storing chunks; `abandon` makes it fail at its next step and
@@ -121,26 +119,24 @@ class _OutputStore(Store):
     afterwards is final.
     """
 
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
+    def __init__(self) -> None:
         self._abandoned = threading.Event()
         self._writers = 0
         self._idle = threading.Condition()
 
-    def writer(self, *, progress: Any = None) -> CheckpointWriter:
-        def check(done: int, total: int) -> None:
-            if self._abandoned.is_set():
-                raise errors.Cancelled("the CheckpointPod call ended; its checkpoint is discarded")
-            if progress is not None:
-                progress(done, total)
-
+    def _check(self) -> None:
         if self._abandoned.is_set():
             raise errors.Cancelled("the CheckpointPod call ended; its checkpoint is discarded")
+
+    def opened(self) -> None:
+        self._check()
         with self._idle:
             self._writers += 1
-        return _TrackedWriter(self, progress=check)
 
-    def writer_done(self) -> None:
+    def progress(self, done: int, total: int) -> None:
+        self._check()
+
+    def closed(self) -> None:
         with self._idle:
             self._writers -= 1
             self._idle.notify_all()
@@ -151,18 +147,6 @@ class _OutputStore(Store):
     def wait_idle(self, timeout: float) -> bool:
         with self._idle:
             return self._idle.wait_for(lambda: self._writers <= 0, timeout)
-
-
-class _TrackedWriter(CheckpointWriter):
-    def __init__(self, store: _OutputStore, *, progress: Any) -> None:
-        super().__init__(store, progress=progress)
-        self._output = store
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._output.writer_done()
 
 
 # ---- restore through a Pod: durable per-sandbox state -----------------------------
@@ -264,18 +248,19 @@ class CriEndpoint:
                 raise errors.NotFound(f"container {cid} is not in pod sandbox {req.pod_sandbox_id}")
             if not c.running:
                 raise errors.FailedPrecondition(f"container {c.name} ({cid[:13]}) is not running")
-        target: _OutputStore | None = None
+        writers = _OutputWriters()
+        target: Store | None = None
         try:
-            target = await asyncio.to_thread(_open_store, out, _OutputStore)
+            target = await asyncio.to_thread(_open_store, out, writers)
             record = await self.checkpointer.checkpoint(
                 CheckpointRequest(pod=req.pod_sandbox_id, containers=ids, options=dict(req.options), store=target),
                 timeout=timeout,
             )
         except BaseException:
             if target is not None:
-                target.abandon()
+                writers.abandon()
                 try:
-                    await asyncio.shield(asyncio.to_thread(target.wait_idle, self.settings.timeouts.cleanup))
+                    await asyncio.shield(asyncio.to_thread(writers.wait_idle, self.settings.timeouts.cleanup))
                 finally:
                     _empty_dir(out)
             else:
@@ -307,7 +292,7 @@ class CriEndpoint:
         path = _caller_dir("checkpoint_path", req.checkpoint_path, self.settings.store)
         if not os.path.isfile(os.path.join(path, "oci-layout")):
             raise errors.FailedPrecondition(f"checkpoint_path {path} holds no checkpoint written by CheckpointPod")
-        source = await asyncio.to_thread(_open_store, path, Store)
+        source = await asyncio.to_thread(_open_store, path)
         records, problems = await asyncio.to_thread(source.scan)
         if len(records) != 1:
             if problems and not records:
@@ -425,7 +410,7 @@ class CriEndpoint:
         st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
                          os.path.join(self.state_root, pod_id))
         try:
-            await self.restorer.restore_shm(os.path.join(tmp, "staging"), pod_id, where)
+            await devshm.restore(self.restorer.cri, os.path.join(tmp, "staging"), pod_id, where)
             os.replace(tmp, st.dir)
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here

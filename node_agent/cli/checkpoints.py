@@ -66,8 +66,8 @@ def stream_result(args: argparse.Namespace, method: str, request: Any) -> Any:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     req = pb.CheckpointRequest(pod=args.pod, containers=args.container or [], options=_parse_options(args.option or []))
     result = stream_result(args, "Checkpoint", req)
-    if args.output == "json":
-        output.emit(output.checkpoint_dict(result), "json")
+    if args.output in output.DATA:
+        output.emit(output.checkpoint_dict(result), args.output)
     else:
         if sys.stderr.isatty():
             sys.stderr.write(f"pod {result.pod_namespace}/{result.pod_name} frozen for {result.frozen_ms:.0f} ms\n")
@@ -84,8 +84,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         start=args.start, options=options, runtime_handler=args.runtime_handler or "",
     )
     result = stream_result(args, "Restore", req)
-    if args.output == "json":
-        output.emit(output.as_dict(result), "json")
+    if args.output in output.DATA:
+        output.emit(output.as_dict(result), args.output)
     else:
         sys.stdout.write(result.pod_sandbox_id + "\n")
         for rc in result.containers:
@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with Client.of(args) as c:
         resp = c.call("ListCheckpoints", pb.ListCheckpointsRequest(pod_namespace=args.namespace or ""))
     items = [output.checkpoint_dict(i) for i in resp.checkpoints]
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit(items, args.output)
         return 0
     rows = [
@@ -116,7 +116,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with Client.of(args) as c:
         info = c.call("InspectCheckpoint", pb.InspectCheckpointRequest(checkpoint_id=args.id))
     d = output.checkpoint_dict(info)
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit(d, args.output)
         return 0
     for key in ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "created", "node", "criu_version"):
@@ -135,7 +135,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     with Client.of(args) as c:
         resp = c.call("RemoveCheckpoint", pb.RemoveCheckpointRequest(checkpoint_id=args.id))
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit({"removed": resp.checkpoint_id}, args.output)
     else:
         sys.stdout.write(resp.checkpoint_id + "\n")
@@ -145,7 +145,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     with Client.of(args) as c:
         resp = c.call("VerifyCheckpoint", pb.VerifyCheckpointRequest(checkpoint_id=args.id), timeout=args.timeout)
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit(output.as_dict(resp), args.output)
     elif resp.ok:
         sys.stdout.write(f"{resp.checkpoint_id}: OK ({resp.blobs_checked} blobs)\n")
@@ -160,7 +160,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     with Client.of(args) as c:
         resp = c.call("GarbageCollect", pb.GarbageCollectRequest(dry_run=args.dry_run), timeout=600)
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit(output.as_dict(resp), args.output)
         return 0
     verb = "would remove" if resp.dry_run else "removed"
@@ -179,7 +179,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--container", action="append", metavar="NAME", help="only this container (repeatable)")
     p.add_argument("--option", action="append", metavar="K=V", help="checkpoint option, e.g. tcp-established=true")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole checkpoint")
-    p.add_argument("-o", "--output", choices=["id", "json"], default="id")
+    output.add_flag(p, "id")
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("restore", parents=[common], help="restore a checkpoint as a new pod")
@@ -196,30 +196,30 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", metavar="K=V", help="restore option")
     p.add_argument("--runtime-handler", help="runtime handler for the new sandbox")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS")
-    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    output.add_flag(p, "id")
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("checkpoints", help="list, inspect and remove stored checkpoints")
     csub = p.add_subparsers(dest="checkpoints_cmd", required=True)
     q = csub.add_parser("ls", parents=[common], help="list checkpoints")
     q.add_argument("--namespace", help="only this pod namespace")
-    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    output.add_flag(q, "table")
     q.set_defaults(func=cmd_ls)
     q = csub.add_parser("inspect", parents=[common], help="show one checkpoint")
     q.add_argument("id")
-    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    output.add_flag(q, "table")
     q.set_defaults(func=cmd_inspect)
     q = csub.add_parser("verify", parents=[common], help="check every blob of a checkpoint; name the bad ones")
     q.add_argument("id")
     q.add_argument("--timeout", type=float, default=600)
-    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    output.add_flag(q, "table")
     q.set_defaults(func=cmd_verify)
     q = csub.add_parser("rm", parents=[common], help="remove one checkpoint")
     q.add_argument("id")
-    q.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    output.add_flag(q, "table")
     q.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("gc", parents=[common], help="apply the retention policy and remove unreferenced blobs")
     p.add_argument("--dry-run", action="store_true", help="only say what would go")
-    p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
+    output.add_flag(p, "table")
     p.set_defaults(func=cmd_gc)

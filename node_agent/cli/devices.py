@@ -89,7 +89,7 @@ def _dra_column(d: Any, dra_on: bool) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     snap = _snapshot(args)
-    if args.output in ("json", "yaml"):
+    if args.output in output.DATA:
         output.emit(snapshot_dict(snap), args.output)
         return 0
     dra_on = snap.dra_status == "on"
@@ -125,8 +125,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("devices", help="the node's devices, their health and DRA device taints (through the daemon)")
     dsub = p.add_subparsers(dest="devices_command", required=True)
     ls = dsub.add_parser("ls", parents=[common], help="list PCI devices with health, NUMA and DRA attributes")
-    ls.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    output.add_flag(ls, "table")
     ls.set_defaults(func=cmd_ls)
     t = dsub.add_parser("taints", parents=[common], help="print the DeviceTaintRules the agent applies (kubectl-apply ready)")
-    t.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    output.add_flag(t, None, default="yaml")
     t.set_defaults(func=cmd_taints)

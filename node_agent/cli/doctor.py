@@ -22,60 +22,30 @@ import dataclasses
 import os
 import shutil
 import stat
-import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from criu_bridge.mountinfo import Mount
+from node_agent.cli.checks import (CAP_CHECKPOINT_RESTORE, CAP_DAC_OVERRIDE, CAP_NET_ADMIN, CAP_SYS_ADMIN,
+                                   CAP_SYS_PTRACE, MIN_CRIU, Check, criu_cache_check, effective_caps, in_container,
+                                   mount_of, mounts, pids_of, status_field, version_line)
 from node_agent.config import Settings
 
-MIN_CRIU = (4, 2)
-CAP_SYS_ADMIN = 21
-CAP_CHECKPOINT_RESTORE = 40
 
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    verdict: str  # OK / WARN / FAIL
-    detail: str
-    fix: str = ""  # what to do about it (not for OK)
-
-    def line(self) -> str:
-        fix = f"; fix: {self.fix}" if self.fix and self.verdict != "OK" else ""
-        return f"{self.verdict:<4} {self.name}: {self.detail}{fix}"
-
-
-def _caps() -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
-    return 0
-
-
-def _version(argv: list[str]) -> str | None:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = (out.stdout or out.stderr).strip()
-    return text.splitlines()[0] if text else None
-
-
-async def _criu_checks(s: Settings) -> list[Check]:
+async def _criu_checks(s: Settings) -> tuple[list[Check], dict[str, bool] | None]:
+    """CRIU's checks, and its feature report (None where it gave none)."""
     from criu_bridge.errors import BridgeError
     from criu_bridge.rpc import CriuClient
 
     path = s.criu if os.path.isabs(s.criu) else shutil.which(s.criu)
     if not path:
-        return [Check("criu", "FAIL", f"{s.criu} not found on PATH; install CRIU >= 4.2 (scripts/install-host)")]
+        return [Check("criu", "FAIL", f"{s.criu} not found on PATH; install CRIU >= 4.2 (scripts/install-host)")], None
     client = CriuClient(path, timeout=30)
     out = []
     try:
         v = await client.version()
     except BridgeError as exc:
-        return [Check("criu", "FAIL", f"{path} does not answer: {exc}")]
+        return [Check("criu", "FAIL", f"{path} does not answer: {exc}")], None
     if (v.major, v.minor) < MIN_CRIU:
         out.append(Check("criu", "FAIL", f"{path} is {v.text}; 4.2 or newer is needed (4.1 cannot dump TCP sockets on current kernels)"))
     else:
@@ -89,18 +59,25 @@ async def _criu_checks(s: Settings) -> list[Check]:
         feats = await client.features()
     except BridgeError as exc:
         out.append(Check("criu features", "WARN", f"cannot query: {exc}"))
-        return out
+        return out, None
     out.append(
         Check("mem_dirty_track", "OK", "iterative pre-dump available")
         if feats.get("mem_track")
         else Check("mem_dirty_track", "WARN", "no soft-dirty memory tracking (CONFIG_MEM_SOFT_DIRTY off): checkpoints freeze the pod for a full dump")
     )
-    out.append(
-        Check("lazy-pages", "OK", "userfaultfd lazy restore available")
-        if feats.get("lazy_pages")
-        else Check("lazy-pages", "WARN", "no userfaultfd lazy restore: restores read all memory before starting")
-    )
-    return out
+    return out, feats
+
+
+def _lazy_check(s: Settings, features: dict[str, bool] | None = None) -> Check:
+    """The node's one lazy-restore verdict (`lazy.support`), with CRIU's feature report folded in."""
+    from node_agent.lazy.support import lazy_restore_support
+
+    ok, why = lazy_restore_support(s.criu, reported=None if features is None else features.get("lazy_pages", False))
+    if ok:
+        return Check("lazy restore", "OK", "available (criu check --feature uffd-noncoop)")
+    fix = ("install CRIU >= 4.2" if why.startswith("no ") else
+           "a kernel with userfaultfd (CONFIG_USERFAULTFD) and vm.unprivileged_userfaultfd or CAP_SYS_PTRACE")
+    return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {why}", fix)
 
 
 def _cri_check(s: Settings) -> Check:
@@ -154,7 +131,7 @@ def _handler_check(s: Settings) -> Check:
 
 def run_checks(s: Settings) -> list[Check]:
     checks: list[Check] = []
-    caps = _caps()
+    caps = effective_caps()
     if os.geteuid() != 0:
         checks.append(Check("privileges", "FAIL", "not root: checkpoint and restore need root"))
     elif not caps & (1 << CAP_SYS_ADMIN):
@@ -165,11 +142,13 @@ def run_checks(s: Settings) -> list[Check]:
 
     runc = s.runc if os.path.isabs(s.runc) else shutil.which(s.runc)
     if runc:
-        checks.append(Check("runc", "OK", f"{runc}: {_version([runc, '--version']) or '?'}"))
+        checks.append(Check("runc", "OK", f"{runc}: {version_line([runc, '--version']) or '?'}"))
     else:
         checks.append(Check("runc", "FAIL", f"{s.runc} not found on PATH; install runc"))
 
-    checks.extend(asyncio.run(_criu_checks(s)))
+    criu, features = asyncio.run(_criu_checks(s))
+    checks.extend(criu)
+    checks.append(_lazy_check(s, features))
 
     if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
         checks.append(Check("cgroups", "OK", "v2 (unified)"))
@@ -215,95 +194,11 @@ def run_checks(s: Settings) -> list[Check]:
 
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 NVIDIA_VENDOR = "0x10de"
-CAP_DAC_OVERRIDE = 1
-CAP_NET_ADMIN = 12
-CAP_SYS_PTRACE = 19
 _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-
-
-@dataclass(frozen=True)
-class Mount:
-    point: str
-    fstype: str
-    source: str
-
-
-def _unescape(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
-    out = []
-    try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                pre, _, post = line.partition(" - ")
-                fields, tail = pre.split(), post.split()
-                if len(fields) >= 5 and len(tail) >= 2:
-                    out.append(Mount(_unescape(fields[4]), tail[0], tail[1]))
-    except OSError:
-        pass
-    return out
-
-
-def mount_of(path: str, table: list[Mount]) -> Mount | None:
-    """The mount `path` lies on (the longest mount point above it)."""
-    path = os.path.realpath(path)
-    best: Mount | None = None
-    for m in table:
-        p = m.point.rstrip("/") or "/"
-        if (path == p or path.startswith(p.rstrip("/") + "/")) and (best is None or len(p) >= len(best.point)):
-            best = m
-    return best
-
-
-def criu_cache_check(table: list[Mount]) -> Check:
-    """CRIU keeps its kernel-feature probes in /run/criu.kdat only when /run is a tmpfs."""
-    run = mount_of("/run", table)
-    if run is not None and run.fstype == "tmpfs":
-        return Check("criu cache", "OK", "/run is a tmpfs: CRIU keeps its kernel-feature cache (/run/criu.kdat)")
-    return Check("criu cache", "WARN",
-                 f"/run is {run.fstype if run else 'unknown'}, not a tmpfs: CRIU cannot keep its kernel-feature cache "
-                 "(/run/criu.kdat) and probes the kernel again, iptables included, on every dump and restore "
-                 "(tens of milliseconds each, inside StartContainer)",
-                 "mount /run as a tmpfs (systemd does so by default)")
-
-
-def in_container(table: list[Mount]) -> bool:
-    """Whether this process runs in a container (its root is an image, not the host's)."""
-    if os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv") or os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return True
-    root = mount_of("/", table)
-    return root is not None and root.fstype == "overlay"
-
-
-def _status_field(name: str) -> str:
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(name + ":"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _host(host_root: str, path: str) -> str:
     return path if host_root in ("", "/") else os.path.join(host_root, path.lstrip("/"))
-
-
-def _processes(name: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/comm", encoding="utf-8", errors="replace") as fh:
-                if fh.read().strip() == name:
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
 
 
 def _mount_checks(s: Settings, table: list[Mount], contained: bool) -> list[Check]:
@@ -351,7 +246,7 @@ def _mount_checks(s: Settings, table: list[Mount], contained: bool) -> list[Chec
     else:
         out.append(Check("mount /dev", "WARN", "the container's own /dev: devices added later (GPUs, disks) are not seen",
                          mount_fix.format(p="/dev")))
-    if _processes("containerd"):
+    if pids_of("containerd"):
         out.append(Check("host pids", "OK", "the host's processes are visible (containerd found in /proc)"))
     else:
         out.append(Check("host pids", "FAIL", "no containerd process in /proc: the containers' processes cannot be frozen or dumped",
@@ -361,7 +256,7 @@ def _mount_checks(s: Settings, table: list[Mount], contained: bool) -> list[Chec
 
 def _privilege_checks() -> list[Check]:
     out: list[Check] = []
-    caps = _caps()
+    caps = effective_caps()
     missing = [n for n, b in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN), ("CAP_SYS_PTRACE", CAP_SYS_PTRACE),
                               ("CAP_DAC_OVERRIDE", CAP_DAC_OVERRIDE), ("CAP_NET_ADMIN", CAP_NET_ADMIN)) if not caps & (1 << b)]
     if missing:
@@ -369,13 +264,13 @@ def _privilege_checks() -> list[Check]:
                          "run privileged (securityContext.privileged: true), or as root without a capability bounding set"))
     else:
         out.append(Check("capabilities", "OK", "CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_DAC_OVERRIDE, CAP_NET_ADMIN"))
-    seccomp = _status_field("Seccomp")
+    seccomp = status_field("Seccomp")
     if seccomp in ("", "0"):
         out.append(Check("seccomp", "OK", "no seccomp filter"))
     else:
         out.append(Check("seccomp", "FAIL", f"a seccomp filter is active (mode {seccomp}): CRIU's ptrace and parasite calls are blocked",
                          "run privileged, or seccompProfile: Unconfined"))
-    if _status_field("NoNewPrivs") not in ("", "0"):
+    if status_field("NoNewPrivs") not in ("", "0"):
         out.append(Check("no_new_privs", "WARN", "no_new_privs is set: runc and CRIU inherit it",
                          "drop NoNewPrivileges / allowPrivilegeEscalation: false"))
     try:
@@ -387,17 +282,6 @@ def _privilege_checks() -> list[Check]:
         out.append(Check("lsm", "WARN", f"confined by {label!r}: ptrace and mounts may be refused",
                          "run privileged (AppArmor/SELinux unconfined)"))
     return out
-
-
-def _lazy_check(s: Settings) -> Check:
-    from node_agent.lazy.support import lazy_restore_support
-
-    ok, why = lazy_restore_support(s.criu)
-    if ok:
-        return Check("lazy restore", "OK", "available (criu check --feature uffd-noncoop)")
-    fix = ("install CRIU >= 4.2" if why.startswith("no ") else
-           "a kernel with userfaultfd (CONFIG_USERFAULTFD) and vm.unprivileged_userfaultfd or CAP_SYS_PTRACE")
-    return Check("lazy restore", "WARN", f"unavailable (falls back to full restore): {why}", fix)
 
 
 def _start_time(pid: int) -> float | None:
@@ -415,7 +299,7 @@ def _start_time(pid: int) -> float | None:
 def _containerd_loaded(config_host_path: str, config_mtime: float) -> Check | None:
     """FAIL when every containerd using this config started before it last changed."""
     starts = []
-    for pid in _processes("containerd"):
+    for pid in pids_of("containerd"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
@@ -591,13 +475,12 @@ def deployment_checks(s: Settings, base: list[Check], *, containerd_config: str 
     table = mounts()
     contained = in_container(table)
     # The installation's own checks below replace these, more precisely.
-    replaced = {"lazy-pages", "store", "nvml"}
+    replaced = {"store", "nvml"}
     out = [dataclasses.replace(c, verdict="FAIL") if c.name == "cri" and c.verdict == "WARN" else c
            for c in base if c.name not in replaced]
     out.append(Check("environment", "OK", "a container" if contained else "the host"))
     out.extend(_mount_checks(s, table, contained))
     out.extend(_privilege_checks())
-    out.append(_lazy_check(s))
     out.extend(_handler_checks(s, containerd_config, host_root))
     out.append(_credentials_check(s.devices.kubeconfig, s.devices.enabled and s.devices.taints))
     out.append(_nvml_check())

@@ -24,7 +24,6 @@ Files are written atomically; a second run changes nothing it need not.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import os
 import re
@@ -34,6 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import msgspec
 
 from node_agent import containerd
 from node_agent.config import DEFAULT_CONFIG_PATH, Settings
@@ -269,7 +270,7 @@ def install_wrapper(root: str, s: Settings, python: str, report: Report) -> str:
     from node_agent.daemon import prepare_dirs
 
     runc = host_runc(root, s)
-    prepare_dirs(dataclasses.replace(s, store=_under(root, s.store)))
+    prepare_dirs(msgspec.structs.replace(s, store=_under(root, s.store)))
     path = _under(root, s.wrapper_path)
     changed = wrapper.install(path, python=python, runc=runc, plans_dir=s.plans_dir)
     report.file(path, changed)

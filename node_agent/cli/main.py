@@ -4,37 +4,39 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, get_args
+
+import msgspec
 
 from node_agent import errors
 from node_agent.cli import checkpoints, containerd_config, devices, doctor, install_systemd, transfer
 from node_agent.cli.client import ENV_SOCKET, CliError, remote_of
-from node_agent.config import load
+from node_agent.config import Document, LogFormat, LogLevel, Settings, load
+
+_DEFAULT = Settings()
 
 
 def settings_parent() -> argparse.ArgumentParser:
     """Flags shared by commands that build Settings (serve, doctor, containerd-config)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config", metavar="FILE", help="YAML config file; flags override it")
-    p.add_argument("--cri-endpoint", metavar="URL", help="CRI endpoint (default unix:///run/containerd/containerd.sock)")
-    p.add_argument("--socket", metavar="PATH", help="local API socket (default /run/node-agent/agent.sock)")
+    p.add_argument("--cri-endpoint", metavar="URL", help=f"CRI endpoint (default {_DEFAULT.cri_endpoint})")
+    p.add_argument("--socket", metavar="PATH", help=f"local API socket (default {_DEFAULT.socket})")
     p.add_argument("--cri-listen", metavar="URL", help="serve the CRI for the kubelet here (unix:///path; off by default)")
-    p.add_argument("--store", metavar="DIR", help="checkpoint store (default /var/lib/node-agent)")
-    p.add_argument("--runtime-handler", metavar="NAME", help="restore runtime handler (default criu)")
-    p.add_argument("--runc-root", metavar="DIR", help="runc root of CRI containers (default /run/containerd/runc/k8s.io)")
+    p.add_argument("--store", metavar="DIR", help=f"checkpoint store (default {_DEFAULT.store})")
+    p.add_argument("--runtime-handler", metavar="NAME", help=f"restore runtime handler (default {_DEFAULT.runtime_handler})")
+    p.add_argument("--runc-root", metavar="DIR", help=f"runc root of CRI containers (default {_DEFAULT.runc_root})")
     p.add_argument("--runc", metavar="PATH", help="runc binary (default: runc on PATH)")
     p.add_argument("--criu", metavar="PATH", help="criu binary (default: criu on PATH)")
-    p.add_argument("--log-format", choices=["text", "json"], help="daemon log format")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=get_args(LogFormat), help="daemon log format")
+    p.add_argument("--log-level", choices=get_args(LogLevel))
     return p
 
 
 def settings_from(args: argparse.Namespace) -> Any:
-    keys = ("cri_endpoint", "cri_listen", "socket", "store", "runtime_handler", "runc_root", "runc", "criu", "log_format", "log_level")
-    return load(args.config, {k: getattr(args, k, None) for k in keys + _LISTENER_KEYS})
-
-
-_LISTENER_KEYS = ("listen", "tls_cert", "tls_key", "tls_client_ca", "health_listen", "metrics_listen", "sysfs_root")
+    """Settings from `--config` and the flags given; a flag's dest is the attribute of its config key."""
+    keys = (f.name for f in msgspec.structs.fields(Document))
+    return load(args.config, {k: getattr(args, k, None) for k in keys})
 
 
 def add_listener_flags(p: argparse.ArgumentParser) -> None:
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", parents=[sp], help="run the daemon")
     add_listener_flags(p)
-    p.add_argument("--sysfs-root", metavar="DIR", help="the sysfs tree the device inventory reads (default /sys)")
+    p.add_argument("--sysfs-root", metavar="DIR", help=f"the sysfs tree the device inventory reads (default {_DEFAULT.sysfs_root})")
     p.set_defaults(func=cmd_serve)
     checkpoints.add_parsers(sub, common)
     transfer.add_parsers(sub, common)

@@ -1,12 +1,38 @@
-"""Rendering for people (tables) and programs (JSON, YAML)."""
+"""Rendering for people (tables, IDs) and programs (JSON, YAML), and the one `-o/--output` flag.
+
+Every command that prints what the daemon answered takes `-o/--output`
+with the same spelling: its human form first and its default, then `json`
+and `yaml`. The human form is `table` where the result is rows or a
+summary, and `id` where it is an ID that a script captures; `text`, the
+older name of the human form, still selects it. The human forms print
+exactly what they always printed; only the flag's names are shared.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from google.protobuf import json_format
+
+
+DATA = ("json", "yaml")
+"""The formats for programs, on every command; any other value is the command's human form."""
+
+
+def add_flag(p: argparse.ArgumentParser, human: Literal["table", "id"] | None, default: str | None = None) -> None:
+    """Give `p` the shared `-o/--output`: `human` (the default), `json` and `yaml`.
+
+    `human` None: the command prints data only, in `default` (one of DATA).
+    """
+    choices = [*([human] if human else []), *DATA]
+    chosen = default or human
+    assert chosen in choices, (chosen, choices)
+    aliases: dict[str, str] = {"text": human} if human else {}
+    p.add_argument("-o", "--output", choices=choices, default=chosen, type=lambda v: aliases.get(v, v),
+                   help=f"output format (default {chosen})")
 
 
 def as_dict(msg: Any) -> dict[str, Any]:

@@ -39,8 +39,8 @@ def _credentials(args: argparse.Namespace) -> Any:
 
 def cmd_push(args: argparse.Namespace) -> int:
     r = stream_result(args, "Push", pb.PushRequest(checkpoint_id=args.id, reference=args.reference, credentials=_credentials(args)))
-    if args.output == "json":
-        output.emit(output.as_dict(r), "json")
+    if args.output in output.DATA:
+        output.emit(output.as_dict(r), args.output)
     else:
         sys.stdout.write(
             f"pushed {r.checkpoint_id} to {r.reference}: {r.blobs_transferred} blob(s) uploaded "
@@ -52,8 +52,8 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     r = stream_result(args, "Pull", pb.PullRequest(reference=args.reference, credentials=_credentials(args),
                                                    lazy=args.lazy))
-    if args.output == "json":
-        output.emit(output.as_dict(r), "json")
+    if args.output in output.DATA:
+        output.emit(output.as_dict(r), args.output)
     else:
         if sys.stderr.isatty():
             sys.stderr.write(
@@ -68,7 +68,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """The archive comes through the socket; this process writes it, with the caller's own permissions."""
     from node_agent.interop.exporting import compression_for
 
-    out = os.path.abspath(args.output_file)
+    out = os.path.abspath(args.file)
     directory, base = os.path.split(out)
     if os.path.lexists(out):
         raise CliError(f"{out} exists", 1)
@@ -118,8 +118,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     header = pb.ImportRequest(namespace=args.namespace or "", name=args.name or "")
     with fh, Client.of(args) as c:
         info = c.call("ImportArchive", _archive_chunks(fh, header), timeout=args.timeout)
-    if args.output == "json":
-        output.emit(output.checkpoint_dict(info), "json")
+    if args.output in output.DATA:
+        output.emit(output.checkpoint_dict(info), args.output)
     else:
         sys.stdout.write(info.id + "\n")
     return 0
@@ -132,7 +132,16 @@ def _registry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain-http", action="store_true", help="plain HTTP (for a registry on loopback)")
     p.add_argument("--insecure-skip-verify", action="store_true", help="don't verify the registry's certificate")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS")
-    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+
+
+class _DeprecatedFile(argparse.Action):
+    """`export -o FILE`: still the archive's path, with a warning to use --file."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        sys.stderr.write(f"node-agent: warning: export {option_string} FILE is deprecated and goes in the next "
+                         "release; use --file FILE\n")
+        setattr(namespace, self.dest, values)
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -140,6 +149,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("id", help="checkpoint ID or unique prefix")
     p.add_argument("reference", metavar="REGISTRY/REPO:TAG")
     _registry_flags(p)
+    output.add_flag(p, "table")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("pull", parents=[common], help="pull a checkpoint from an OCI registry into the store")
@@ -147,12 +157,16 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lazy", action="store_true",
                    help="leave the memory images in the registry; a lazy restore fetches their pages on demand")
     _registry_flags(p)
+    output.add_flag(p, "id")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("export", parents=[common], help="write one container of a checkpoint as a CRI-O/Podman archive")
     p.add_argument("id", help="checkpoint ID or unique prefix")
     p.add_argument("--container", required=True, metavar="NAME")
-    p.add_argument("-o", "--output-file", required=True, metavar="FILE.tar")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--file", metavar="FILE.tar", help="the archive to write; .tar.gz and .tar.zst compress it")
+    # -o meant this file before it meant the output format everywhere; kept for one release.
+    where.add_argument("-o", "--output-file", dest="file", action=_DeprecatedFile, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=600)
     p.set_defaults(func=cmd_export)
 
@@ -161,5 +175,5 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", help="pod namespace for archives that carry none")
     p.add_argument("--name", help="pod name for archives that carry none")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("-o", "--output", choices=["id", "json"], default="id")
+    output.add_flag(p, "id")
     p.set_defaults(func=cmd_import)

@@ -1,4 +1,4 @@
-"""A small Kubernetes REST client on the standard library (http.client + ssl).
+"""A small Kubernetes REST client on the standard library (http.client, TLS from ``node_agent.tls``).
 
 Credentials come from a kubeconfig (its current context: server, CA,
 bearer token or token file, client certificate) or from the in-cluster
@@ -16,12 +16,11 @@ import json
 import os
 import socket
 import ssl
-import tempfile
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from node_agent import errors
+from node_agent import errors, tls
 
 API = "/apis/resource.k8s.io/v1"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -134,31 +133,14 @@ class KubeClient:
         self.host = url.hostname or ""
         self.port = url.port or (443 if self.tls else 80)
         self.prefix = url.path.rstrip("/")
-        try:
-            self.context = self._ssl_context() if self.tls else None
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            raise errors.FailedPrecondition(f"TLS settings for {creds.server} are unusable: {exc}") from exc
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        c = self.creds
-        ctx = ssl.create_default_context(
-            cafile=c.ca_file or None, cadata=c.ca_data.decode("ascii", "replace") if c.ca_data else None,
+        trust = tls.Trust(
+            ca_file=creds.ca_file, ca_pem=creds.ca_data.decode("ascii", "replace"), insecure=creds.insecure,
+            cert_file=creds.cert_file, key_file=creds.key_file, cert_pem=creds.cert_data, key_pem=creds.key_data,
         )
-        if c.insecure:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if c.cert_file:
-            ctx.load_cert_chain(c.cert_file, c.key_file or None)
-        elif c.cert_data:
-            # ssl only loads key pairs from files: a private, short-lived one.
-            with tempfile.TemporaryDirectory(prefix="node-agent-kube-") as tmp:
-                cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
-                for p, data in ((cert, c.cert_data), (key, c.key_data)):
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    with os.fdopen(fd, "wb") as fh:
-                        fh.write(data)
-                ctx.load_cert_chain(cert, key if c.key_data else None)
-        return ctx
+        try:
+            self.context = tls.client_context(trust, "API server") if self.tls else None
+        except tls.TrustError as exc:
+            raise errors.FailedPrecondition(f"TLS settings for {creds.server} are unusable: {exc.reason}") from exc.reason
 
     def _token(self) -> str:
         if self.creds.token:
@@ -195,7 +177,7 @@ class KubeClient:
         except socket.timeout as exc:
             raise errors.DeadlineExceeded(f"{method} {path}: no answer from {self.creds.server} in {self.timeout:g}s") from exc
         except ssl.SSLError as exc:
-            raise errors.Unavailable(f"{method} {path}: TLS with {self.creds.server} failed: {exc}") from exc
+            raise tls.failure(exc, f"{method} {path}", self.creds.server, verbatim=True) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise errors.Unavailable(f"{method} {path}: cannot reach {self.creds.server}: {exc}") from exc
         finally:

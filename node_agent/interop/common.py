@@ -8,6 +8,7 @@ from typing import Any
 
 from node_agent import strictjson
 from node_agent import errors
+from node_agent.podformat import CONTAINER_NAME_RE, NAME_RE
 
 # The archive's own files (the layout CRI-O, Podman and checkpointctl read).
 CHECKPOINT_DIR = "checkpoint"
@@ -37,15 +38,7 @@ LEAD_MEMBERS = (OWN_MANIFEST, CONFIG_DUMP, SPEC_DUMP, OWN_POD_DIR, OWN_POD_CONFI
 # Top-level names an export writes itself: a container file may not use them.
 RESERVED_TOP = {STATS_DUMP, DEVSHM_TAR, NETWORK_STATUS, STATUS_DUMP, OWN_DIR}
 
-# Pieces of the store's tree (see checkpointing.py).
-STORE_POD = "pod"
-STORE_POD_CONFIG = "pod/config.json"
-STORE_DEVSHM = "pod/devshm.tar"
-STORE_CPUINFO = "pod/cpuinfo/cpuinfo.img"
-
-CONTAINER_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 CHECKPOINT_ID_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 

@@ -23,11 +23,16 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from node_agent import errors, strictjson
-from node_agent.checkpointing import METADATA_KIND
+from criu_bridge.tarstream import DIR
+from criu_bridge.tarwrite import TarWriter
+from node_agent import errors, podformat, strictjson
+from node_agent.podformat import METADATA_KIND
 from node_agent.interop import common as c
-from node_agent.interop.tarfmt import TarWriter, Writable
 from node_agent.store import CheckpointRecord, Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from criu_bridge.tarwrite import Writable
 
 COMPRESSIONS = ("none", "gzip", "zstd")
 
@@ -55,7 +60,7 @@ def compression_for(path: str) -> str:
 
 def archive_path(store_path: str, container: str) -> str | None:
     """Where a store path of one container's checkpoint goes in its archive; None if it stays out."""
-    base = f"containers/{container}/"
+    base = podformat.container_dir(container) + "/"
     if store_path.startswith(base):
         rest = store_path[len(base) :]
         if rest == f"{c.CHECKPOINT_DIR}/{c.STATS_DUMP}":
@@ -66,9 +71,9 @@ def archive_path(store_path: str, container: str) -> str | None:
                 f"container {container} has a file {rest!r} whose name the archive format reserves"
             )
         return rest
-    if store_path == c.STORE_DEVSHM:
+    if store_path == podformat.POD_DEVSHM:
         return c.DEVSHM_TAR
-    if store_path == c.STORE_POD or store_path.startswith(c.STORE_POD + "/"):
+    if store_path == podformat.POD_DIR or store_path.startswith(podformat.POD_DIR + "/"):
         return c.OWN_DIR + "/" + store_path
     return None
 
@@ -105,7 +110,7 @@ def status_dump(store: Store, record: CheckpointRecord, container: str) -> bytes
     creation time): containerd's restore takes the container's name, labels,
     annotations and image from it; checkpointctl shows it.
     """
-    path = f"containers/{container}/{c.CONFIG_DUMP}"
+    path = podformat.container_path(container, c.CONFIG_DUMP)
     with store.open(record.id, path) as fh:
         if fh.size > 16 << 20:
             raise errors.DataLoss(f"checkpoint {record.id}: {path} is larger than 16 MiB")
@@ -158,10 +163,12 @@ def own_manifest(record: CheckpointRecord, container: str) -> bytes:
 
 
 def _mtime(created: str) -> int:
+    """Every member's mtime: the checkpoint's creation, in whole seconds that fit a ustar header."""
     try:
-        return int(datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp())
+        seconds = int(datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp())
     except ValueError:
         return 0
+    return max(0, min(seconds, 8**11 - 1))
 
 
 def _members(record: CheckpointRecord, container: str) -> list[tuple[str, str, Any]]:
@@ -254,15 +261,15 @@ def export_container(
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
             with _compressed(raw, compression) as out:
-                tw = TarWriter(out, mtime=_mtime(record.created))
-                tw.add_bytes(c.OWN_MANIFEST, 0o600, manifest)
+                tw = TarWriter(out, mtime_ns=_mtime(record.created) * 1_000_000_000, uname=b"root", gname=b"root")
+                tw.add_bytes(c.OWN_MANIFEST.encode(), 0o600, manifest)
                 for arc, spath, entry in members:
                     if entry.type == "dir":
-                        tw.add_dir(arc, entry.mode)
+                        tw.member(arc.encode(), DIR, entry.mode)
                         continue
                     with store.open(record.id, spath) as fh:
-                        tw.add_file(arc, entry.mode, fh.size, fh)
-                tw.add_bytes(c.STATUS_DUMP, 0o600, status)
+                        tw.add_file(arc.encode(), entry.mode, fh.size, fh)
+                tw.add_bytes(c.STATUS_DUMP.encode(), 0o600, status)
                 tw.close()
             raw.flush()
             os.fsync(raw.fileno())
@@ -281,6 +288,8 @@ def export_container(
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    except EOFError as exc:  # a stored file shorter than its record
+        raise errors.DataLoss(str(exc)) from None
     except OSError as exc:
         raise _os_error(exc, f"writing {out_path}") from exc
     finally:

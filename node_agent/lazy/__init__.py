@@ -1,1 +1,35 @@
-"""Lazy restore: containers start before their memory is read; pages come from the store on demand."""
+"""Lazy restore: containers start before their memory is read; pages come from the store on demand.
+
+The steps, in the order a lazy restore takes them (docs/lazy-restore.md),
+and the module that does each:
+
+1. Pull lazily (optional, across nodes): `remote` picks the chunks only the
+   memory images use; the registry pull (`registry.pulling`) leaves those in
+   the registry and the store records where they still live (the
+   checkpoint's origin). `api.agent` keeps the password for that registry
+   in memory, for the chunks fetched later.
+2. Decide: `support` says whether CRIU and the kernel can restore lazily
+   (`node-agent doctor` prints the same verdict); `restores.LazyRestores`
+   says whether this restore goes lazily (its `lazy` option, the node's
+   `lazy-restore` setting, no pre-dumped memory).
+3. Stage: `staging` reads each task's pagemap (`pagemap`) and writes the
+   pages files sparse, with only the pages that cannot come lazily; the
+   restorer (`restoring`) materializes the rest and writes the plan.
+4. Start the helpers, per container, before StartContainer:
+   `restores.LazyRestores.start` gives the page source its blobs (a store
+   hold, or hard links to a caller's checkpoint) and the origin, and starts
+   a `session.LazySession`: the `criu lazy-pages` daemon and the page
+   source process (`source`).
+5. Serve: StartContainer's `runc restore --lazy-pages` (`criu_bridge.wrapper`)
+   hands the userfaultfds to the daemon, which asks the page source for
+   pages over CRIU's page-server protocol (`protocol`). The source reads
+   each chunk from the store, or fetches it from the origin
+   (`registry.fetching`), verifies and decodes it. Both helpers run at the
+   background priority (`background`).
+6. Guard and end: the session holds the connection while the container
+   runs, kills the container (`kill`) on any failure, and records the
+   outcome in the plan; once a lazily pulled checkpoint's pages are all in,
+   `restores` asks the store to settle its origin.
+7. After a crash: at start-up, `strays` ends the helpers a dead agent left
+   that have no process to serve (`recovery`).
+"""

@@ -16,9 +16,11 @@ from __future__ import annotations
 import bisect
 import os
 import re
-import struct
 from dataclasses import dataclass
 from typing import Final
+
+from criu_bridge import criuimg
+from criu_bridge.errors import InvalidInput
 
 PAGE_SIZE: Final = 4096
 PE_PARENT: Final = 1 << 0
@@ -28,7 +30,6 @@ PE_PRESENT: Final = 1 << 2
 MAX_PAGEMAP_BYTES: Final = 64 << 20
 MAX_ENTRY_BYTES: Final = 256
 TASK_PAGEMAP: Final = re.compile(r"^pagemap-([0-9]{1,10})\.img$")
-_U32: Final = struct.Struct("<I")
 
 
 class PagemapError(ValueError):
@@ -91,51 +92,35 @@ class Pagemap:
         return starts
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise PagemapError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-
-
-def _fields(msg: bytes) -> dict[int, int]:
+def _fields(data: bytes, start: int, end: int, what: str) -> dict[int, int]:
     """The varint fields of a message; any other wire type is refused."""
     out: dict[int, int] = {}
-    pos = 0
-    while pos < len(msg):
-        key, pos = _varint(msg, pos)
-        if key & 7 != 0:
-            raise PagemapError(f"unexpected wire type {key & 7} in a pagemap message")
-        out[key >> 3], pos = _varint(msg, pos)
+    for number, wire, value, _end, _raw in criuimg.fields(data, start, end, what):
+        if wire != criuimg.VARINT:
+            raise PagemapError(f"unexpected wire type {wire} in a pagemap message")
+        out[number] = value
     return out
 
 
 def parse(data: bytes, task_id: int) -> Pagemap:
-    """Parse the bytes of ``pagemap-<task_id>.img``."""
+    """Parse the bytes of ``pagemap-<task_id>.img``; the image framing is `criu_bridge.criuimg`'s."""
     if len(data) > MAX_PAGEMAP_BYTES:
         raise PagemapError(f"pagemap of task {task_id} is larger than {MAX_PAGEMAP_BYTES} bytes")
-    if len(data) < 8:
-        raise PagemapError(f"pagemap of task {task_id} is truncated")
-    pos = 8  # the image's two magic words
+    try:
+        return _parse(data, task_id)
+    except InvalidInput as exc:
+        raise PagemapError(str(exc)) from None
+
+
+def _parse(data: bytes, task_id: int) -> Pagemap:
+    what = f"pagemap of task {task_id}"
     head: dict[int, int] | None = None
     extents: list[Extent] = []
     offset = 0
     last_end = 0
-    while pos < len(data):
-        if pos + 4 > len(data):
-            raise PagemapError(f"pagemap of task {task_id}: truncated message length")
-        (size,) = _U32.unpack_from(data, pos)
-        pos += 4
-        if size > MAX_ENTRY_BYTES or pos + size > len(data):
-            raise PagemapError(f"pagemap of task {task_id}: message of {size} bytes at {pos - 4} is out of bounds")
-        fields = _fields(data[pos : pos + size])
-        pos += size
+    # The magics are not checked: the image's name says what it is.
+    for start, end in criuimg.entries(data, what, max_entry=MAX_ENTRY_BYTES):
+        fields = _fields(data, start, end, what)
         if head is None:
             head = fields
             continue

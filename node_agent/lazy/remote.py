@@ -8,13 +8,9 @@ starts, so a lazy pull brings it in at once.
 
 from __future__ import annotations
 
-import re
-from typing import Final
-
+from node_agent.podformat import PAGES_PATH
 from node_agent.store import Store
 from node_agent.store.manifest import decode_config
-
-PAGES_FILE: Final = re.compile(r"^containers/[^/]+/checkpoint/pages-[0-9]{1,10}\.img$")
 
 
 def memory_chunks(store: Store, config_digest: str, config_size: int) -> set[str]:
@@ -23,6 +19,6 @@ def memory_chunks(store: Store, config_digest: str, config_size: int) -> set[str
     memory: set[str] = set()
     other: set[str] = set()
     for entry in config.files:
-        target = memory if PAGES_FILE.match(entry.path) else other
+        target = memory if PAGES_PATH.match(entry.path) else other
         target.update(c.digest for c in entry.chunks)
     return memory - other

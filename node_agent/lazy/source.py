@@ -41,6 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
+from node_agent import podformat
 from node_agent.config import parse_registry
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap, protocol
@@ -191,11 +192,11 @@ class Source:
         self.files: dict[int, ChunkCache] = {}
         self.total = 0
         for task, pm in self.maps.items():
-            path = f"containers/{container}/checkpoint/{pm.pages_file}"
+            path = podformat.image_path(container, pm.pages_file)
             entry = record.entry(path)
             if entry.size != pm.pages_size:
                 raise SourceError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.fetch_for(record.id, origin))
+            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.origins.fetch_for(record.id, origin))
             self.total += pm.lazy_pages
         self.served = 0
         self.requests = 0
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         given = config.get("passwords")
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         registry = config.get("registry")
-        store.fetcher = RemoteBlobs(store, passwords=passwords,
+        store.origins.fetcher = RemoteBlobs(store, passwords=passwords,
                                     settings=parse_registry(registry) if isinstance(registry, dict) else None)
         origin = config.get("origin")
         if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):

@@ -1,8 +1,9 @@
 """Checkpoints to and from OCI registries, through the distribution API.
 
 Rule: the store is reached only through the small interfaces in ``ports``
-(the store's ``Store`` provides them); HTTP, TLS and auth live in
-``transport`` and ``auth``, on the standard library alone. Everything here is
+(the store's ``Store`` provides them); HTTP lives in ``transport`` (over
+``connection``, its errors worded in ``failures``), TLS in ``node_agent.tls``
+and auth in ``auth``, on the standard library alone. Everything here is
 synchronous and blocking, with a deadline on every request and a timeout on
 every socket operation (the agent's ``registry:`` settings): async callers run
 it in a worker thread. Credentials never reach a log record, a ``repr`` or an
@@ -11,16 +12,12 @@ may ask (docs/registry.md).
 """
 
 from node_agent.registry.auth import Credentials
-from node_agent.registry.manifest import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE
 from node_agent.registry.ports import Progress, ProgressCallback, PullReport, PushReport
 from node_agent.registry.pulling import pull
 from node_agent.registry.pushing import push
 from node_agent.registry.reference import Reference, parse_reference
 
 __all__ = [
-    "ARTIFACT_TYPE",
-    "MANIFEST_MEDIA_TYPE",
-    "MAX_MANIFEST_SIZE",
     "Credentials",
     "Progress",
     "ProgressCallback",

@@ -18,11 +18,12 @@ from typing import Any, Protocol
 from node_agent.config import RegistrySettings
 from node_agent.errors import InvalidArgument
 from node_agent.registry.auth import Credentials
+from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSink
 from node_agent.registry.pulling import _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
-from node_agent.registry.transport import Session, log_failure
+from node_agent.registry.transport import Session
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def repository_key(reference: str) -> str:
 
 
 class RemoteBlobs:
-    """A store's fetcher (`Store.fetcher`): one kept-alive session per origin, one fetch at a time each.
+    """A store's fetcher (`Origins.fetcher`): one kept-alive session per origin, one fetch at a time each.
 
     Passwords come from ``passwords`` (by ``registry/repository``), held in
     memory by whoever pulled; an origin without one is fetched with its

@@ -11,18 +11,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import BinaryIO, Protocol
 
-
-class Descriptor(Protocol):
-    """A blob of a checkpoint: the config or a layer."""
-
-    @property
-    def media_type(self) -> str: ...
-
-    @property
-    def digest(self) -> str: ...
-
-    @property
-    def size(self) -> int: ...
+from node_agent.oci import Descriptor
 
 
 class Record(Protocol):
@@ -61,12 +50,19 @@ class BlobImporter(Protocol):
     def abort(self) -> None: ...
 
 
+class OriginBook(Protocol):
+    """Where the blobs a lazy pull left in the registry are (the store's ``origins``)."""
+
+    def remember(self, checkpoint_id: str, origin: Mapping[str, object]) -> None: ...
+
+    def settle(self, checkpoint_id: str) -> bool: ...
+
+
 class BlobSink(Protocol):
     """The store, as pulling sees it."""
 
-    def set_origin(self, checkpoint_id: str, origin: Mapping[str, object]) -> None: ...
-
-    def settle_origin(self, checkpoint_id: str) -> bool: ...
+    @property
+    def origins(self) -> OriginBook: ...
 
     def importer(self) -> BlobImporter: ...
 

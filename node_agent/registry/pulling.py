@@ -18,12 +18,14 @@ from collections.abc import Callable, Collection, Generator
 
 from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
+from node_agent.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry.auth import Credentials
-from node_agent.registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE, manifest_digest, parse_manifest
+from node_agent.registry.failures import log_failure
+from node_agent.registry.manifest import parse_manifest
 from node_agent.registry.ports import BlobImporter, BlobSink, ProgressCallback, PullReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
-from node_agent.registry.transport import Session, log_failure
+from node_agent.registry.transport import Session
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def _pull(
                 _import_blob(session, importer, config.digest, config.size, digest, Tally(None))
                 deferred = set(defer(config.digest, config.size)) - {config.digest}
                 blobs = [(d, size) for d, size in blobs if d not in deferred]
-                store.set_origin(digest, recorded_origin(f"{reference.registry}/{reference.repository}@{digest}", creds))
+                store.origins.remember(digest, recorded_origin(f"{reference.registry}/{reference.repository}@{digest}", creds))
             tally.plan([size for _, size in blobs])
             tally.report("blobs")
             for blob_digest, size in blobs:
@@ -98,7 +100,7 @@ def _pull(
             tally.report("commit")
             record = importer.commit(manifest, deferred=deferred)
         if not deferred:
-            store.settle_origin(digest)
+            store.origins.settle(digest)
     if record.id != digest:
         raise Internal(f"the store published manifest {digest} as {record.id}")
     tally.report("done")
@@ -117,7 +119,7 @@ def _get_manifest(session: Session) -> tuple[bytes, str]:
     assert target is not None
     what = f"fetching manifest {target}"
     url = session.url(f"/v2/{ref.repository}/manifests/{target}")
-    with session.request("GET", url, what, headers={"Accept": MANIFEST_MEDIA_TYPE}, follow_redirects=True) as resp:
+    with session.request("GET", url, what, headers={"Accept": OCI_MANIFEST_MEDIA_TYPE}, follow_redirects=True) as resp:
         if resp.status == 404:
             resp.close()
             raise NotFound(f"{session.where}: there is no manifest {target}")
@@ -125,12 +127,12 @@ def _get_manifest(session: Session) -> tuple[bytes, str]:
             raise resp.error(what)
         content_type = (resp.header("Content-Type") or "").split(";")[0].strip()
         claimed = (resp.header("Docker-Content-Digest") or "").strip()
-        data = resp.read(MAX_MANIFEST_SIZE, f"manifest {target}")
-    if content_type and content_type != MANIFEST_MEDIA_TYPE:
+        data = resp.read(MAX_MANIFEST_BYTES, f"manifest {target}")
+    if content_type and content_type != OCI_MANIFEST_MEDIA_TYPE:
         raise InvalidArgument(
             f"{session.where}: {target} is {content_type[:100]!r}, not an OCI image manifest of a checkpoint"
         )
-    digest = manifest_digest(data)
+    digest = sha256_digest(data)
     if ref.digest is not None and digest != ref.digest:
         raise DataLoss(f"{session.where}: the manifest sent for {ref.digest} hashes to {digest}; refused")
     if claimed.startswith("sha256:") and claimed != digest:

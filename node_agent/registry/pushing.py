@@ -17,12 +17,13 @@ from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 
 from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
+from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry.auth import Credentials
-from node_agent.registry.manifest import MANIFEST_MEDIA_TYPE, manifest_digest
+from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSource, ProgressCallback, PushReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
-from node_agent.registry.transport import CHUNK_SIZE, Body, Resend, Session, log_failure
+from node_agent.registry.transport import CHUNK_SIZE, Body, Resend, Session
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def _push(
     reference = parse_reference(ref)
     digest = store.get(checkpoint_id).id
     manifest = store.manifest_bytes(digest)
-    if manifest_digest(manifest) != digest:
-        raise DataLoss(f"checkpoint {digest}: its manifest bytes hash to {manifest_digest(manifest)}")
+    if sha256_digest(manifest) != digest:
+        raise DataLoss(f"checkpoint {digest}: its manifest bytes hash to {sha256_digest(manifest)}")
     if reference.digest is not None and reference.digest != digest:
         raise InvalidArgument(f"reference {reference} names digest {reference.digest}, but checkpoint {digest} is pushed")
     blobs = unique_blobs((d.digest, d.size) for d in store.descriptors(digest))
@@ -171,7 +172,7 @@ def _put_manifest(session: Session, manifest: bytes, digest: str) -> None:
     target = session.ref.tag or digest
     what = f"putting manifest {target}"
     url = session.url(f"/v2/{session.ref.repository}/manifests/{target}")
-    with session.request("PUT", url, what, headers={"Content-Type": MANIFEST_MEDIA_TYPE}, body=manifest) as resp:
+    with session.request("PUT", url, what, headers={"Content-Type": OCI_MANIFEST_MEDIA_TYPE}, body=manifest) as resp:
         if resp.status != 201:
             raise resp.error(what)
         stored = resp.header("Docker-Content-Digest")

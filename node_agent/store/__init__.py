@@ -12,22 +12,19 @@ from node_agent.store.checkpoints import DEFAULT_CHUNK_SIZE, Store
 from node_agent.store.gc import GcReport, RetentionPolicy
 from node_agent.store.importing import BlobImporter
 from node_agent.store.manifest import (
-    ARTIFACT_TYPE,
     CHUNK_MEDIA_TYPE,
     CHUNK_ZSTD_MEDIA_TYPE,
     CONFIG_MEDIA_TYPE,
     MEDIA_TYPE,
     SCHEMA_VERSION,
     Chunk,
-    Descriptor,
     FileEntry,
 )
 from node_agent.store.reading import FileReader
 from node_agent.store.records import BadBlob, CheckpointRecord, RecoveryReport
-from node_agent.store.writer import CheckpointWriter
+from node_agent.store.writer import CheckpointWriter, WriterHooks
 
 __all__ = [
-    "ARTIFACT_TYPE",
     "CHUNK_MEDIA_TYPE",
     "CHUNK_ZSTD_MEDIA_TYPE",
     "CONFIG_MEDIA_TYPE",
@@ -39,11 +36,11 @@ __all__ = [
     "CheckpointRecord",
     "CheckpointWriter",
     "Chunk",
-    "Descriptor",
     "FileEntry",
     "FileReader",
     "GcReport",
     "RecoveryReport",
     "RetentionPolicy",
     "Store",
+    "WriterHooks",
 ]

@@ -33,8 +33,9 @@ from node_agent.errors import (
     NotFound,
     ResourceExhausted,
 )
+from node_agent.oci import digest_hex, is_hex_digest
 from node_agent.store import codec
-from node_agent.store.manifest import Chunk, digest_hex, is_hex_digest
+from node_agent.store.manifest import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,23 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview, *, sync: boo
             os.unlink(path)
         raise
     os.close(fd)
+
+
+def replace_file(path: str, data: bytes, *, scratch_dir: str) -> None:
+    """Atomically replace ``path`` with ``data``.
+
+    The new bytes are written and fsynced in ``scratch_dir`` (on the same
+    filesystem), renamed over ``path``, and ``path``'s directory is fsynced.
+    """
+    temp = os.path.join(scratch_dir, f".{os.path.basename(path)}-{secrets.token_hex(8)}")
+    write_new_file(temp, data, sync=True)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_dir(os.path.dirname(path))
 
 
 def read_bounded(path: str, limit: int) -> bytes:

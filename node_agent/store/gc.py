@@ -1,4 +1,4 @@
-"""Retention and reachability: which checkpoints to drop, which blobs are still needed.
+"""Garbage collection: retention, reachability, and the sweep that deletes what nothing reaches.
 
 Rule: a blob that anything may still need is never removed. Reachability is
 a safe superset: every ``sha256:<hex>`` string found in a published
@@ -6,27 +6,38 @@ manifest's raw bytes and in its config blob's raw bytes (so it works even
 for documents that fail validation), nested indexes followed, plus every
 digest a live writer or importer lease names and every digest in the
 quarantine. Retention only picks which published checkpoints to unpublish;
-the sweep that follows removes what nothing reaches. The policy functions
-do no I/O; ``entry_refs`` reads blobs.
+unpublishing comes first, and the sweep that follows, under the same
+exclusive store lock, removes what nothing reaches. The policy functions do
+no I/O; ``entry_refs`` reads blobs; the ``Collector`` does the rest.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Final
 
-from node_agent.errors import InvalidArgument
-from node_agent.store.blobs import BlobStore, read_bounded, scan_digests
-from node_agent.store.manifest import MAX_MANIFEST_BYTES, OCI_INDEX_MEDIA_TYPE, digest_hex
-from node_agent.store.records import CheckpointRecord
+from node_agent.errors import AgentError, InvalidArgument, NotFound
+from node_agent.oci import MAX_MANIFEST_BYTES, OCI_INDEX_MEDIA_TYPE, digest_hex
+from node_agent.store.blobs import BlobStore, lease_is_live, live_refs, os_error, read_bounded, scan_digests
+from node_agent.store.index import Index, checkpoint_ids
+from node_agent.store.manifest import is_checkpoint_entry
+from node_agent.store.origins import Origins
+from node_agent.store.records import CheckpointRecord, created_epoch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_ANNOTATION: Final = "io.node-agent.pod"
 _NESTED_INDEX_TYPES: Final = frozenset({OCI_INDEX_MEDIA_TYPE, "application/vnd.docker.distribution.manifest.list.v2+json"})
 _MAX_DEPTH: Final = 4
+# Directories whose files are scanned for digests that must be kept: the
+# quarantine, and the manifests of the store's first format.
+_KEEP_DIRS: Final = ("quarantine", "checkpoints")
 
 
 @dataclass(frozen=True)
@@ -70,14 +81,6 @@ class GcReport:
     bytes_freed: int
     kept: int
     dry_run: bool
-
-
-def created_epoch(created: str) -> float:
-    """Seconds since the epoch of an RFC 3339 ``created`` value (-inf when unreadable)."""
-    try:
-        return datetime.fromisoformat(created).timestamp()
-    except ValueError:
-        return -math.inf
 
 
 def oldest_first(records: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:
@@ -166,3 +169,119 @@ def entry_refs(blobs: BlobStore, digest: str, media_type: str, depth: int = 0) -
             if isinstance(child, dict) and isinstance(child.get("digest"), str):
                 found |= entry_refs(blobs, child["digest"], str(child.get("mediaType", "")), depth + 1)
     return found
+
+
+class Collector:
+    """Unpublishing and sweeping a store: what ``Store.remove`` and ``Store.gc`` do, and ``recover`` ends with."""
+
+    def __init__(self, root: str, blobs: BlobStore, index: Index, origins: Origins, *, ingest_dir: str) -> None:
+        self.root = root
+        self.blobs = blobs
+        self.index = index
+        self.origins = origins
+        self.ingest_dir = ingest_dir
+
+    def remove(self, cid: str) -> GcReport:
+        """Unpublish the checkpoint ``cid`` (a full id), then delete the blobs nothing else reaches."""
+        try:
+            with self.index.locked(exclusive=True):
+                entries = self.index.read()
+                kept = [e for e in entries if not (is_checkpoint_entry(e) and e["digest"] == cid)]
+                if len(kept) == len(entries):
+                    raise NotFound(f"checkpoint {cid} not found")
+                self.index.write(kept)
+                self.origins.forget(cid)
+                removed, freed = self.sweep(kept, dry_run=False)
+        except OSError as exc:
+            raise os_error(exc, f"removing checkpoint {cid}") from exc
+        log.info(
+            "removed checkpoint %s (%d blobs, %d bytes freed)",
+            cid,
+            len(removed),
+            freed,
+            extra={"checkpoint": cid},
+        )
+        return GcReport((cid,), tuple(removed), freed, len(checkpoint_ids(kept)), False)
+
+    def collect(self, policy: RetentionPolicy | None, *, dry_run: bool, now: float) -> GcReport:
+        """Unpublish the checkpoints ``policy`` drops (oldest first), then delete unreachable blobs (see ``Store.gc``)."""
+        try:
+            with self.index.locked(exclusive=True):
+                entries = self.index.read()
+                dropped: list[str] = []
+                if policy is not None:
+                    dropped = self._policy_drops(entries, policy, now)
+                kept = [e for e in entries if not (is_checkpoint_entry(e) and e["digest"] in dropped)]
+                if dropped and not dry_run:
+                    self.index.write(kept)
+                removed, freed = self.sweep(kept, dry_run=dry_run)
+        except OSError as exc:
+            raise os_error(exc, f"collecting garbage in {self.root!r}") from exc
+        report = GcReport(tuple(dropped), tuple(removed), freed, len(checkpoint_ids(kept)), dry_run)
+        if dropped or removed:
+            log.info(
+                "store gc%s: %d checkpoints unpublished, %d blobs (%d bytes) freed, %d checkpoints kept",
+                " (dry run)" if dry_run else "",
+                len(dropped),
+                len(removed),
+                freed,
+                report.kept,
+            )
+        return report
+
+    def _policy_drops(self, entries: Sequence[Mapping[str, Any]], policy: RetentionPolicy, now: float) -> list[str]:
+        records: list[CheckpointRecord] = []
+        for cid in checkpoint_ids(entries):
+            try:
+                records.append(self.index.load(cid))
+            except AgentError as exc:
+                log.warning("gc keeps unreadable checkpoint %s: %s", cid, exc, extra={"checkpoint": cid})
+        ours = {r.id for r in records}
+        refs = {r.id: entry_refs(self.blobs, r.id, "") for r in records}
+        base = self._pinned()
+        for entry in entries:
+            if entry["digest"] not in ours:
+                base |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
+        return select_drops(records, policy, now, refs, self.blobs.sizes(), base)
+
+    def _pinned(self) -> set[str]:
+        """Digests kept whatever the index says: live leases, the quarantine (call under the exclusive lock)."""
+        refs = live_refs(self.ingest_dir)
+        for name in _KEEP_DIRS:
+            folder = os.path.join(self.root, name)
+            try:
+                with os.scandir(folder) as it:
+                    paths = [e.path for e in it if e.is_file(follow_symlinks=False)]
+            except FileNotFoundError:
+                continue
+            for path in paths:
+                refs |= scan_digests(path)
+        return refs
+
+    def sweep(self, entries: Sequence[Mapping[str, Any]], *, dry_run: bool) -> tuple[list[str], int]:
+        """Delete every blob nothing reaches and every dead ingest directory (exclusive lock held).
+
+        ``entries`` is the index as it now stands. Returns the digests
+        deleted (or that would be, with ``dry_run``) and the bytes freed.
+        """
+        keep = self._pinned()
+        for entry in entries:
+            keep |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
+        sizes = self.blobs.sizes()
+        orphans = sorted(d for d in sizes if d not in keep)
+        if dry_run:
+            return orphans, sum(sizes[d] for d in orphans)
+        self.remove_dead_ingest()
+        self.origins.prune([e["digest"] for e in entries])
+        return self.blobs.delete(orphans)
+
+    def remove_dead_ingest(self) -> list[str]:
+        """Remove the ingest directories whose lease is gone; their names (exclusive lock held)."""
+        removed: list[str] = []
+        with os.scandir(self.ingest_dir) as it:
+            dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
+        for entry in dirs:
+            if not lease_is_live(entry.path):
+                shutil.rmtree(entry.path)
+                removed.append(entry.name)
+        return removed

@@ -22,19 +22,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
 
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument
-from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, Ingest, os_error, write_all
-from node_agent.store.manifest import (
-    MAX_BLOB_SIZE,
-    check_manifest_matches,
-    decode_config,
-    decode_manifest,
-    digest_hex,
-    index_entry,
-    sha256_digest,
-)
+from node_agent.oci import digest_hex, sha256_digest
+from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, BlobStore, Ingest, os_error, write_all
+from node_agent.store.index import Index
+from node_agent.store.manifest import MAX_BLOB_SIZE, check_manifest_matches, decode_config, decode_manifest, index_entry
+from node_agent.store.origins import Origins
 
 if TYPE_CHECKING:
-    from node_agent.store.checkpoints import Store
     from node_agent.store.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
@@ -59,12 +53,16 @@ class BlobImporter:
     """Brings the blobs of one checkpoint in from elsewhere, then publishes its manifest.
 
     A context manager that aborts unless committed. ``add_blob`` may be
-    called from several threads at once.
+    called from several threads at once. It takes its lease in
+    ``ingest_dir``, links blobs into ``blobs`` and publishes through
+    ``index``; ``origins`` must know where any deferred blob is.
     """
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._ingest = Ingest(store.ingest_dir, store.lock_path, store.blobs)
+    def __init__(self, blobs: BlobStore, index: Index, origins: Origins, *, ingest_dir: str) -> None:
+        self._blobs = blobs
+        self._index = index
+        self._origins = origins
+        self._ingest = Ingest(ingest_dir, index.lock_path, blobs)
         self._state = "open"
         self._lock = threading.Lock()
         self._linked = False
@@ -105,7 +103,7 @@ class BlobImporter:
                     self.blobs_skipped += 1
                 return
             self._receive(temp, digest, size, stream)
-            self._store.blobs.link_in(temp, digest)
+            self._blobs.link_in(temp, digest)
         except BaseException as exc:
             self._ingest.forget(digest)
             with contextlib.suppress(OSError):
@@ -142,12 +140,11 @@ class BlobImporter:
         """Validate ``manifest`` and its config, require every blob, publish; return the record.
 
         Layers whose digests are in ``deferred`` may be missing: the caller
-        has recorded where they come from (`Store.set_origin`), and readers
+        has recorded where they come from (`Origins.remember`), and readers
         fetch them from there on demand. Committing a manifest that is already
         published returns its record.
         """
         self._check_open()
-        store = self._store
         try:
             data = bytes(manifest)
             doc = decode_manifest(data, error=InvalidArgument, what="imported manifest")
@@ -156,22 +153,23 @@ class BlobImporter:
             config_desc = doc.config
             if not self._ingest.reference(config_desc.digest, config_desc.size):
                 raise FailedPrecondition(f"{where}: config blob {config_desc.digest} is missing; add it first")
-            config_bytes = store.blobs.read(config_desc.digest, config_desc.size)
+            config_bytes = self._blobs.read(config_desc.digest, config_desc.size)
             config = decode_config(config_bytes, error=InvalidArgument, what=f"{where}: config")
             check_manifest_matches(doc, config, error=InvalidArgument, what=where)
-            present = [layer for layer in doc.layers if layer.digest not in deferred or store.has_blob(layer.digest)]
+            present = [layer for layer in doc.layers
+                       if layer.digest not in deferred or self._blobs.size_of(layer.digest) is not None]
             for layer in present:
                 if not self._ingest.reference(layer.digest, layer.size):
                     raise FailedPrecondition(f"{where}: blob {layer.digest} is missing; add it first")
-            if len(present) != len(doc.layers) and store.origin(manifest_digest) is None:
+            if len(present) != len(doc.layers) and self._origins.get(manifest_digest) is None:
                 raise FailedPrecondition(f"{where}: blobs are deferred but no origin is recorded")
             self._ingest.put(manifest_digest, data)
             required = {d.digest: d.size for d in (*present, config_desc)}
             required[manifest_digest] = len(data)
             self._ingest.commit_blobs(required)
             if self._linked:
-                store.blobs.sync()
-            store._publish(index_entry(manifest_digest, len(data), doc.annotations), required)
+                self._blobs.sync()
+            self._index.publish(index_entry(manifest_digest, len(data), doc.annotations), required)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -179,7 +177,7 @@ class BlobImporter:
             raise
         self._ingest.release()
         self._state = "committed"
-        record = store._record(manifest_digest, doc, config)
+        record = self._index.record(manifest_digest, doc, config)
         log.info(
             "imported checkpoint %s (%d blobs added, %d already present)",
             record.id,

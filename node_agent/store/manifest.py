@@ -8,12 +8,12 @@ chunk list (contiguous offsets summing to the file size, well-formed
 digests, consistent sizes and encodings) and the size bounds; and through
 ``check_layers``, which ties a manifest's layers to its config's file table.
 Encoding is canonical JSON, so the same content always gives the same bytes.
-This module does no I/O.
+Descriptors, digests and the OCI media types are ``node_agent.oci``'s. This
+module does no I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -23,19 +23,25 @@ from typing import Any, Final, Literal
 
 from node_agent import strictjson
 from node_agent.errors import DataLoss, InvalidArgument
+from node_agent.oci import (
+    ARTIFACT_TYPE,
+    DESCRIPTOR_KEYS,
+    EMPTY_DESCRIPTOR,
+    MAX_MANIFEST_BYTES,
+    OCI_INDEX_MEDIA_TYPE,
+    OCI_MANIFEST_MEDIA_TYPE,
+    Descriptor,
+    DescriptorError,
+    digest_hex,
+    read_descriptor,
+)
 
 # -- media types and names ----------------------------------------------------------------
 
 OCI_LAYOUT_VERSION: Final = "1.0.0"
-OCI_INDEX_MEDIA_TYPE: Final = "application/vnd.oci.image.index.v1+json"
-OCI_MANIFEST_MEDIA_TYPE: Final = "application/vnd.oci.image.manifest.v1+json"
-ARTIFACT_TYPE: Final = "application/vnd.node-agent.checkpoint.v1"
 CONFIG_MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.config.v1+json"
 CHUNK_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1"
 CHUNK_ZSTD_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1+zstd"
-EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
-EMPTY_BLOB: Final = b"{}"
-EMPTY_DIGEST: Final = "sha256:" + hashlib.sha256(EMPTY_BLOB).hexdigest()
 CREATED_ANNOTATION: Final = "org.opencontainers.image.created"
 
 # Kept for callers of the first store format's names.
@@ -49,7 +55,6 @@ CHUNK_MEDIA_TYPES: Final = MappingProxyType({IDENTITY: CHUNK_MEDIA_TYPE, ZSTD: C
 
 # -- bounds --------------------------------------------------------------------------------
 
-MAX_MANIFEST_BYTES: Final = 16 << 20
 MAX_CONFIG_BYTES: Final = 64 << 20
 MAX_INDEX_BYTES: Final = 64 << 20
 MAX_ENTRIES: Final = 1_000_000
@@ -63,11 +68,8 @@ MAX_MODE: Final = 0o7777
 MAX_ANNOTATIONS: Final = 1024
 MAX_ANNOTATION_BYTES: Final = 64 << 10
 
-_HEX_RE: Final = re.compile(r"[0-9a-f]{64}")
 _CREATED_RE: Final = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z")
-_MEDIA_TYPE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}")
 _MANIFEST_KEYS: Final = frozenset({"schemaVersion", "mediaType", "artifactType", "config", "layers", "annotations"})
-_DESCRIPTOR_KEYS: Final = frozenset({"mediaType", "digest", "size"})
 _CONFIG_KEYS: Final = frozenset({"metadata", "files"})
 _FILE_KEYS: Final = frozenset({"path", "type", "mode", "size", "chunks"})
 _DIR_KEYS: Final = frozenset({"path", "type", "mode"})
@@ -144,30 +146,6 @@ class FileEntry:
         }
 
 
-def _empty_annotations() -> Mapping[str, str]:
-    return MappingProxyType({})
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """An OCI content descriptor: what a blob is, its digest and its size."""
-
-    media_type: str
-    digest: str
-    size: int
-    annotations: Mapping[str, str] = field(default_factory=_empty_annotations)
-
-    def to_json(self) -> dict[str, Any]:
-        """The descriptor as OCI JSON (``annotations`` omitted when empty)."""
-        out: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
-        if self.annotations:
-            out["annotations"] = dict(self.annotations)
-        return out
-
-
-EMPTY_DESCRIPTOR: Final = Descriptor(EMPTY_MEDIA_TYPE, EMPTY_DIGEST, len(EMPTY_BLOB))
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """A decoded, validated config blob: the caller's metadata and the file table."""
@@ -191,26 +169,6 @@ class CheckpointManifest:
 
 
 # -- small helpers ----------------------------------------------------------------------------
-
-
-def digest_hex(digest: str) -> str:
-    """Return the hex part of ``sha256:<hex>``; InvalidArgument if malformed."""
-    if not isinstance(digest, str) or not digest.startswith("sha256:"):
-        raise InvalidArgument(f"malformed digest {digest!r}: want sha256:<64 hex>")
-    hexpart = digest[len("sha256:") :]
-    if not _HEX_RE.fullmatch(hexpart):
-        raise InvalidArgument(f"malformed digest {digest!r}: want sha256:<64 hex>")
-    return hexpart
-
-
-def is_hex_digest(hexpart: str) -> bool:
-    """Whether ``hexpart`` is 64 lowercase hex characters."""
-    return _HEX_RE.fullmatch(hexpart) is not None
-
-
-def sha256_digest(data: bytes | bytearray | memoryview) -> str:
-    """``sha256:<hex>`` of ``data``."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def is_created(value: object) -> bool:
@@ -424,24 +382,17 @@ def is_checkpoint_entry(raw: Mapping[str, Any]) -> bool:
 
 
 def _descriptor(where: str, raw: object, *, exact: bool = True) -> Descriptor:
-    if not isinstance(raw, dict):
-        raise _Invalid(f"{where}: not an object")
-    keys = set(raw)
-    if exact and keys != _DESCRIPTOR_KEYS:
-        raise _Invalid(f"{where}: a descriptor has exactly the keys {sorted(_DESCRIPTOR_KEYS)}, not {sorted(keys)}")
-    if not exact and not _DESCRIPTOR_KEYS <= keys:
-        raise _Invalid(f"{where}: a descriptor needs the keys {sorted(_DESCRIPTOR_KEYS)}")
-    media_type = raw["mediaType"]
-    if not isinstance(media_type, str) or not _MEDIA_TYPE_RE.fullmatch(media_type):
-        raise _Invalid(f"{where}: malformed mediaType {media_type!r}")
     try:
-        digest_hex(raw["digest"])
-    except InvalidArgument as exc:
-        raise _Invalid(f"{where}: {exc}") from None
-    size = raw["size"]
-    if not _is_int(size) or size < 0:
-        raise _Invalid(f"{where}: size {size!r} is not a non-negative integer")
-    return Descriptor(media_type, raw["digest"], size)
+        return read_descriptor(raw, keys="exact" if exact else "required")
+    except DescriptorError as exc:
+        detail = exc.detail
+        if exc.field == "keys" and exact:
+            detail = f"a descriptor has exactly the keys {sorted(DESCRIPTOR_KEYS)}, not {exc.value}"
+        elif exc.field == "keys":
+            detail = f"a descriptor needs the keys {sorted(DESCRIPTOR_KEYS)}"
+        elif exc.field == "size":
+            detail += " is not a non-negative integer"
+        raise _Invalid(f"{where}: {detail}") from None
 
 
 def _validate_manifest(doc: object) -> CheckpointManifest:

@@ -1,17 +1,28 @@
 """The values the store hands out: checkpoint records and reports.
 
-Rule: plain frozen data; no I/O happens here.
+Rule: plain frozen data, and how records order by creation time; no I/O
+happens here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
 from node_agent.errors import NotFound
 from node_agent.store.manifest import FileEntry
+
+
+def created_epoch(created: str) -> float:
+    """Seconds since the epoch of an RFC 3339 ``created`` value (-inf when unreadable)."""
+    try:
+        return datetime.fromisoformat(created).timestamp()
+    except ValueError:
+        return -math.inf
 
 
 def _no_annotations() -> Mapping[str, str]:

@@ -6,7 +6,9 @@ pipeline's workers); ``commit`` waits for every chunk, builds the config
 blob and the manifest, makes every new blob durable (fsync the files, link
 them in, fsync the directories) and then publishes the manifest in
 ``index.json``, last. Sources are opened without following symlinks, and
-only regular files and directories are accepted.
+only regular files and directories are accepted. A writer reaches the store
+through its blob store and index alone; ``WriterHooks`` let the store's
+owner watch (and stop) its writers.
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from node_agent.errors import FailedPrecondition, InvalidArgument
-from node_agent.store.blobs import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, Ingest, os_error
+from node_agent.oci import EMPTY_BLOB, EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, Descriptor, sha256_digest
+from node_agent.store.blobs import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, BlobStore, Ingest, os_error
+from node_agent.store.chunking import Chunker
+from node_agent.store.index import Index
 from node_agent.store.manifest import (
     CONFIG_MEDIA_TYPE,
     CREATED_ANNOTATION,
-    EMPTY_BLOB,
-    EMPTY_DESCRIPTOR,
     MAX_CONFIG_BYTES,
     MAX_ENTRIES,
-    MAX_MANIFEST_BYTES,
     Chunk,
-    Descriptor,
     FileEntry,
     check_annotations,
     check_tree,
@@ -46,12 +47,10 @@ from node_agent.store.manifest import (
     join_path,
     layers_for,
     normalize_path,
-    sha256_digest,
 )
 from node_agent.store.pipeline import ChunkPipeline, PendingChunk
 
 if TYPE_CHECKING:
-    from node_agent.store.checkpoints import Store
     from node_agent.store.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
@@ -61,6 +60,23 @@ ProgressFn = Callable[[int, int], None]
 _O_NONBLOCK: Final = getattr(os, "O_NONBLOCK", 0)
 _DIR_OPEN: Final = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 _FILE_OPEN: Final = os.O_RDONLY | O_NOFOLLOW | _O_NONBLOCK | O_CLOEXEC
+
+
+class WriterHooks(Protocol):
+    """What the owner of a store is told about each of its writers (``Store(writer_hooks=...)``).
+
+    ``opened`` runs before a writer takes its lease, and ``progress`` with
+    each of its progress reports, from the writer's thread; an exception
+    from either fails that writer. ``closed`` runs exactly once for each
+    writer ``opened`` let through, when it lets go of the store: committed,
+    aborted, or failed while starting.
+    """
+
+    def opened(self) -> None: ...
+
+    def progress(self, done: int, total: int) -> None: ...
+
+    def closed(self) -> None: ...
 
 
 def now_rfc3339() -> str:
@@ -101,14 +117,33 @@ class CheckpointWriter:
     writer's thread as ``progress(bytes_done, bytes_total)``: the bytes of
     content stored so far and the bytes expected so far (a tree's size is
     known once ``add_tree`` has scanned it). ``bytes_done`` and
-    ``bytes_total`` can also be polled.
+    ``bytes_total`` can also be polled. ``hooks`` are told first (see
+    ``WriterHooks``). The writer takes its lease in ``ingest_dir`` and
+    publishes through ``index``.
     """
 
-    def __init__(self, store: Store, *, progress: ProgressFn | None = None) -> None:
-        self._store = store
+    def __init__(
+        self,
+        blobs: BlobStore,
+        index: Index,
+        *,
+        ingest_dir: str,
+        chunker: Chunker,
+        workers: int,
+        progress: ProgressFn | None = None,
+        hooks: WriterHooks | None = None,
+    ) -> None:
+        self._index = index
         self._progress = progress
-        self._ingest = Ingest(store.ingest_dir, store.lock_path, store.blobs)
-        self._pipeline = ChunkPipeline(store.chunker, self._ingest, store.workers)
+        self._hooks = hooks
+        if hooks is not None:
+            hooks.opened()
+        try:
+            self._ingest = Ingest(ingest_dir, index.lock_path, blobs)
+        except BaseException:
+            self._let_go()
+            raise
+        self._pipeline = ChunkPipeline(chunker, self._ingest, workers)
         self._entries: dict[str, FileEntry | _PendingFile] = {}
         self._total = 0
         self._expected = 0
@@ -148,8 +183,19 @@ class CheckpointWriter:
         self._report()
 
     def _report(self) -> None:
+        self._tell(self._pipeline.bytes_done, max(self._expected, self._total))
+
+    def _tell(self, done: int, total: int) -> None:
+        if self._hooks is not None:
+            self._hooks.progress(done, total)
         if self._progress is not None:
-            self._progress(self._pipeline.bytes_done, max(self._expected, self._total))
+            self._progress(done, total)
+
+    def _let_go(self) -> None:
+        """Tell the hooks, once, that this writer holds nothing of the store any more."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.closed()
 
     # -- adding ------------------------------------------------------------------------------
 
@@ -389,7 +435,7 @@ class CheckpointWriter:
                 required[manifest_digest] = len(data)
                 self._pipeline.wait_flushed()
                 self._ingest.commit_blobs(required, self._pipeline.executor)
-                self._store._publish(index_entry(manifest_digest, len(data), notes), required)
+                self._index.publish(index_entry(manifest_digest, len(data), notes), required)
             except OSError as exc:
                 raise os_error(exc, f"committing checkpoint {manifest_digest}") from exc
         except BaseException:
@@ -398,9 +444,11 @@ class CheckpointWriter:
         self._pipeline.close()
         self._ingest.release()
         self._state = "committed"
-        if self._progress is not None:
-            self._progress(self._total, self._total)
-        record = self._store._record(manifest_digest, manifest, config)
+        try:
+            self._tell(self._total, self._total)
+        finally:
+            self._let_go()
+        record = self._index.record(manifest_digest, manifest, config)
         log.info(
             "published checkpoint %s (%d files, %d bytes, %d new stored bytes)",
             record.id,
@@ -417,3 +465,4 @@ class CheckpointWriter:
             self._state = "aborted"
         self._pipeline.close(cancel=True)
         self._ingest.release()
+        self._let_go()

@@ -344,6 +344,20 @@ def freezer_state(pid: int) -> str:
     return freezer.state(freezer.freezer_of(pid))
 
 
+def criu_processes() -> list[Any]:
+    """Every CRIU process on the node (psutil.Process): while none runs, nothing re-freezes a thawed pod."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if p.info.get("name") == "criu" or (cmd and os.path.basename(cmd[0]) == "criu") or any(
+            c.endswith("/usr/sbin/criu") for c in cmd[:5]
+        ):
+            out.append(p)
+    return out
+
+
 def answers(ip: str, port: int = 8080) -> bool:
     """Whether memhog at ``ip`` answers (for wait_for)."""
     try:

@@ -7,11 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.e2e.bed import (
-    NODE_AGENT, Bed, container_detail, counter_pod, freezer_state, pods_in, remove_pod, ticks, wait_for,
+    NODE_AGENT, Bed, container_detail, counter_pod, criu_processes, freezer_state, pods_in, remove_pod, ticks,
+    wait_for,
 )
 
 
@@ -64,8 +64,10 @@ def test_a_cancelled_checkpoint_leaves_the_pod_running_and_nothing_behind(agent:
         cli.communicate(timeout=30)
         wait_for(lambda: freezer_state(server.pid) == "THAWED", timeout=5, interval=0.01, what="the thaw")
         wait_for(lambda: not _scratch(agent), timeout=60, what="scratch files to go")
-        time.sleep(0.5)
-        assert freezer_state(server.pid) == "THAWED"
+        # Only CRIU, on its way out, could freeze the pod again: once it is gone, thawed is for good.
+        wait_for(lambda: not criu_processes(), timeout=60, what="CRIU to finish")
+        wait_for(lambda: freezer_state(server.pid) == "THAWED", timeout=2, interval=0.01,
+                 what="the pod thawed once CRIU is gone")
         n = max(ticks(server.log_path))
         wait_for(lambda: max(ticks(server.log_path)) > n, what="the pod to keep ticking")
         assert _ids(agent) == before

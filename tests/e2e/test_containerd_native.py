@@ -145,7 +145,7 @@ def test_checkpointctl_reads_every_export(agent: Bed, tmp_path: Path) -> None:
         for compression in COMPRESSIONS:
             archive = tmp_path / f"counter{SUFFIX[compression]}"
             archives.append(str(archive))
-            agent.cli("export", ckpt, "--container", "counter", "-o", str(archive))
+            agent.cli("export", ckpt, "--container", "counter", "--file", str(archive))
             assert archive.read_bytes().startswith(MAGIC.get(compression, b"")), compression
             members = archive_members(archive)
             config = json.loads(members["config.dump"])
@@ -290,8 +290,8 @@ def test_containerd_restores_an_export_through_create_container(
         ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
         at_checkpoint = max(ticks(log))
         plain, zst = tmp_path / "counter.tar", tmp_path / "counter.tar.zst"
-        agent.cli("export", ckpt, "--container", "counter", "-o", str(plain))
-        agent.cli("export", ckpt, "--container", "counter", "-o", str(zst))
+        agent.cli("export", ckpt, "--container", "counter", "--file", str(plain))
+        agent.cli("export", ckpt, "--container", "counter", "--file", str(zst))
         config = json.loads(archive_members(plain)["config.dump"])
         assert config["rootfsImageRef"] == digested and config["rootfsImageName"] == name, config
         # The source goes: what runs afterwards can only be the restored process.

@@ -328,13 +328,7 @@ def test_image_fs_info_and_container_events_pass_through(agent: Bed) -> None:
                 return None
 
             tasks = [asyncio.create_task(drain("direct", ds)), asyncio.create_task(drain("agent", as_))]
-            await asyncio.sleep(1.0)
-            if tasks[0].done():
-                # A runtime without the event stream (containerd 1.6): its status passes through as is.
-                d_err, a_err = await tasks[0], await tasks[1]
-                assert d_err is not None and a_err is not None
-                assert (a_err.code(), a_err.details()) == (d_err.code(), d_err.details())
-                return
+            # Both streams are open before the pod is made, and its sandbox is made before the container.
             pod = await asyncio.to_thread(pod_via_agent, agent, "e2e-cri-events", [shell(agent)])
             try:
                 cid = pod.containers["shell"].encode()
@@ -342,10 +336,17 @@ def test_image_fs_info_and_container_events_pass_through(agent: Bed) -> None:
                 def seen(name: str) -> list[bytes]:
                     return [m for m in got[name] if _fields(m).get(1) == cid]
 
+                # Until the container's events have come through both, or the runtime ended the stream.
                 for _ in range(200):
-                    if len(seen("direct")) >= 2 and len(seen("agent")) >= len(seen("direct")):
+                    if tasks[0].done() or (len(seen("direct")) >= 2 and len(seen("agent")) >= len(seen("direct"))):
                         break
                     await asyncio.sleep(0.05)
+                if tasks[0].done():
+                    # A runtime without the event stream (containerd 1.6): its status passes through as is.
+                    d_err, a_err = await tasks[0], await tasks[1]
+                    assert d_err is not None and a_err is not None
+                    assert (a_err.code(), a_err.details()) == (d_err.code(), d_err.details())
+                    return
                 d, a = seen("direct"), seen("agent")
                 assert d, "containerd streamed no event for the new container"
                 # The same events, in the same order (type and time), for the same actions.

@@ -8,28 +8,16 @@ import os
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from tests.e2e.bed import (
-    NODE_AGENT, Bed, container_config, container_detail, counter_pod, freezer_state, make_pod, pods_in,
-    remove_pod, ticks, volume_holder_pod, wait_for,
+    NODE_AGENT, Bed, container_config, container_detail, counter_pod, criu_processes, freezer_state, make_pod,
+    pods_in, remove_pod, ticks, volume_holder_pod, wait_for,
 )
 
 
 def _ids(bed: Bed) -> set[str]:
     return {c["id"] for c in json.loads(bed.cli("checkpoints", "ls", "-o", "json").stdout)}
-
-
-def _criu_procs() -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if p.info.get("name") == "criu" or (cmd and os.path.basename(cmd[0]) == "criu") or any(
-            c.endswith("/usr/sbin/criu") for c in cmd[:5]
-        ):
-            out.append(p)
-    return out
 
 
 def _leftovers(bed: Bed) -> list[str]:
@@ -51,7 +39,7 @@ def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
         try:
             wait_for(lambda: freezer_state(server.pid) == "FROZEN", timeout=60, interval=0.002, what="the pod to freeze")
             if moment == "dumping":
-                wait_for(_criu_procs, timeout=10, interval=0.002, what="CRIU to start dumping")
+                wait_for(criu_processes, timeout=10, interval=0.002, what="CRIU to start dumping")
             agent.kill_agent()
             t_kill = time.monotonic()
         finally:
@@ -68,14 +56,15 @@ def test_agent_killed_while_pod_frozen(agent: Bed, moment: str) -> None:
         # then lets go of them. Killing CRIU sooner would kill the tasks.
         n = max(ticks(log_path))
         wait_for(lambda: max(ticks(log_path)) > n, timeout=60, interval=0.01, what="the pod to tick again")
-        # It stays thawed once CRIU is done (CRIU re-freezes a cgroup it found frozen).
-        wait_for(lambda: not _criu_procs(), timeout=60, what="CRIU to finish")
-        time.sleep(0.3)
-        assert freezer_state(server.pid) == "THAWED"
+        # It stays thawed once CRIU is done (CRIU re-freezes a cgroup it found frozen, and the
+        # watchdog thaws it again): with no CRIU left, nothing can freeze it after this.
+        wait_for(lambda: not criu_processes(), timeout=60, what="CRIU to finish")
+        wait_for(lambda: freezer_state(server.pid) == "THAWED", timeout=2, interval=0.01,
+                 what="the pod thawed once CRIU is gone")
 
         agent.start_agent()
         assert _ids(agent) == before, "a half-written checkpoint is listed"
-        assert not _criu_procs(), "a CRIU process was left behind"
+        assert not criu_processes(), "a CRIU process was left behind"
         assert not _leftovers(agent), _leftovers(agent)
         n = max(ticks(log_path))
         wait_for(lambda: max(ticks(log_path)) > n, timeout=30, what="the pod to keep ticking")
@@ -101,12 +90,12 @@ def test_deadline_exceeded_resumes_pod_and_keeps_nothing(agent: Bed) -> None:
             n = max(ticks(server.log_path))
             wait_for(lambda: max(ticks(server.log_path)) > n, timeout=30, what="the pod to keep ticking")
             wait_for(lambda: not _leftovers(agent), timeout=30, what=f"scratch files to go: {_leftovers(agent)}")
-            wait_for(lambda: not _criu_procs(), timeout=60, what="CRIU to finish")
+            wait_for(lambda: not criu_processes(), timeout=60, what="CRIU to finish")
             assert freezer_state(server.pid) == "THAWED"
             assert _ids(agent) == before
-        wait_for(lambda: not _criu_procs(), timeout=30, what="CRIU to exit")
-        time.sleep(0.3)
-        assert freezer_state(server.pid) == "THAWED"
+        wait_for(lambda: not criu_processes(), timeout=30, what="CRIU to exit")
+        wait_for(lambda: freezer_state(server.pid) == "THAWED", timeout=2, interval=0.01,
+                 what="the pod thawed once CRIU is gone")
     finally:
         remove_pod(agent, pod.id)
 

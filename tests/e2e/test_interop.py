@@ -50,7 +50,7 @@ def test_agent_checkpoint_exported_imported_and_restored(agent: Bed, tmp_path: P
         at_checkpoint = max(ticks(log))
 
         archive = tmp_path / "shell.tar.zst"
-        agent.cli("export", ckpt, "--container", "shell", "-o", str(archive))
+        agent.cli("export", ckpt, "--container", "shell", "--file", str(archive))
         assert archive.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"
         imported = json.loads(agent.cli("import", str(archive), "--namespace", "e2e-ix-dst", "-o", "json").stdout)
         new_id = imported["id"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import socket
 import ssl
@@ -24,6 +23,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
@@ -225,10 +225,11 @@ def test_health_reflection_and_metrics_after_a_checkpoint(listening: Listening) 
             names = {s.name for r in replies for s in r.list_services_response.service}
         assert {"nodeagent.v1.NodeAgent", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
-    def count(text: str, name: str) -> float:
-        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        assert m, f"no {name} in\n{text}"
-        return float(m.group(1))
+    def count(text: str, name: str, **labels: str) -> float:
+        found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == name and s.labels == labels]
+        assert found, f"no {name}{labels} in\n{text}"
+        return float(found[0])
 
     before = listening.metrics()
     pod = shell_pod(listening.bed, "tls-ok")
@@ -250,4 +251,4 @@ def test_health_reflection_and_metrics_after_a_checkpoint(listening: Listening) 
     assert count(after, "node_agent_store_size_bytes") >= 0  # measured at most every 10 s
     # Devices by health state: this machine's real PCI devices are counted.
     for state in ("healthy", "degraded", "unhealthy", "unmonitored"):
-        assert re.search(rf'^node_agent_devices{{health="{state}"}} [0-9]+$', after, re.M), state
+        assert count(after, "node_agent_devices", health=state).is_integer(), state

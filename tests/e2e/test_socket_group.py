@@ -78,7 +78,7 @@ def test_a_group_member_cannot_have_the_agent_open_paths(grouped: tuple[Bed, Pat
         (root_only / "secret").write_text("root's\n")
 
         # The CLI streams: the write into a root-only directory is the member's own, and fails.
-        cp = as_member(bed, NODE_AGENT, "export", ckpt, "--container", "shell", "-o", str(root_only / "x.tar"))
+        cp = as_member(bed, NODE_AGENT, "export", ckpt, "--container", "shell", "--file", str(root_only / "x.tar"))
         assert cp.returncode != 0 and "Permission denied" in cp.stderr, cp.stderr
         cp = as_member(bed, NODE_AGENT, "import", str(root_only / "secret"))
         assert cp.returncode != 0 and "Permission denied" in cp.stderr, cp.stderr
@@ -95,7 +95,7 @@ def test_a_group_member_cannot_have_the_agent_open_paths(grouped: tuple[Bed, Pat
         mine.mkdir()
         shutil.chown(mine, "nobody")
         out = mine / "shell.tar.zst"
-        cp = as_member(bed, NODE_AGENT, "export", ckpt, "--container", "shell", "-o", str(out))
+        cp = as_member(bed, NODE_AGENT, "export", ckpt, "--container", "shell", "--file", str(out))
         assert cp.returncode == 0, cp.stderr
         st = out.stat()
         assert st.st_uid != 0 and st.st_mode & 0o777 == 0o600 and st.st_size > 0

@@ -18,7 +18,7 @@ import pytest
 from criu_bridge.wrapper import PLAN_ANNOTATION
 from node_agent import errors
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
-from node_agent.checkpointing import manifest_annotations
+from node_agent.podformat import manifest_annotations
 from node_agent.cri.client import _parse
 from node_agent.store import Store
 from tests.e2e.bed import (

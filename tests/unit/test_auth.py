@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from conftest import tls_connection
 from node_agent import authz
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
@@ -159,14 +160,11 @@ async def test_no_client_certificate_is_refused_at_the_handshake(agent: Agent, p
         await health(tls_channel(agent, pki, None))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     # The same at the TLS layer: the server ends the handshake with an alert.
-    ctx = ssl.create_default_context(cafile=pki.ca)
-    ctx.set_alpn_protocols(["h2"])
     with pytest.raises((ssl.SSLError, ConnectionError)):
-        with socket.create_connection(("127.0.0.1", agent.port), timeout=10) as raw:
-            with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
-                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-                assert tls.recv(1) == b"", "the server answered a client without a certificate"
-                raise ConnectionError("closed")
+        with tls_connection(agent.port, pki.ca) as tls:
+            tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            assert tls.recv(1) == b"", "the server answered a client without a certificate"
+            raise ConnectionError("closed")
 
 
 async def test_a_certificate_from_another_ca_is_refused(agent: Agent, pki: Pki, tmp_path: Path) -> None:
@@ -317,12 +315,8 @@ async def test_the_cli_talks_to_the_tls_listener(agent: Agent, pki: Pki) -> None
 
 
 def served_fingerprint(port: int, pki: Pki, client: Leaf) -> str:
-    ctx = ssl.create_default_context(cafile=pki.ca)
-    ctx.load_cert_chain(client.cert, client.key)
-    ctx.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
-            der = tls.getpeercert(binary_form=True)
+    with tls_connection(port, pki.ca, client.cert, client.key) as tls:
+        der = tls.getpeercert(binary_form=True)
     assert der
     return hashlib.sha256(der).hexdigest()
 

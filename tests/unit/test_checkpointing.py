@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 
 from node_agent import errors
-from node_agent.checkpointing import gpu_devices, parse_options, shm_source
+from node_agent.checkpointing import gpu_devices
+from node_agent.devshm import shm_source
+from node_agent.podformat import parse_options
 
 
 def test_documented_options_map_to_runc_flags() -> None:
@@ -38,7 +40,7 @@ def test_shm_source_only_for_the_pods_own_shm() -> None:
 
 
 def test_pre_dump_option_is_the_agents_own() -> None:
-    from node_agent.checkpointing import parse_all_options
+    from node_agent.podformat import parse_all_options
 
     flags, pre = parse_all_options({"pre-dump": "false", "file-locks": "true"})
     assert pre is False and flags.runc_args() == ["--file-locks"]
@@ -46,7 +48,7 @@ def test_pre_dump_option_is_the_agents_own() -> None:
 
 
 def test_file_locks_are_on_for_new_checkpoints_unless_turned_off() -> None:
-    from node_agent.checkpointing import parse_all_options
+    from node_agent.podformat import parse_all_options
 
     assert parse_all_options({})[0].runc_args() == ["--file-locks"]
     assert parse_all_options({})[0].as_options() == {"file-locks": "true"}

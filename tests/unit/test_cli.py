@@ -53,6 +53,8 @@ def test_doctor_exits_zero_on_this_machine() -> None:
     verdicts = [line.split()[0] for line in cp.stdout.splitlines()]
     assert verdicts and set(verdicts) <= {"OK", "WARN"}
     assert any(line.startswith("OK   criu:") for line in cp.stdout.splitlines()), cp.stdout
+    lazy = [line for line in cp.stdout.splitlines() if "lazy" in line.split(":")[0]]
+    assert len(lazy) == 1 and lazy[0].startswith(("OK   lazy restore:", "WARN lazy restore:")), cp.stdout
 
 
 def test_daemon_commands_say_when_no_daemon_runs(tmp_path: Path) -> None:
@@ -76,3 +78,23 @@ def test_a_relative_socket_path_is_resolved(tmp_path: Path, monkeypatch: pytest.
     assert socket_path("agent.sock") == str(tmp_path / "agent.sock")
     monkeypatch.setenv("NODE_AGENT_SOCKET", "sub/agent.sock")
     assert socket_path(None) == str(tmp_path / "sub" / "agent.sock")
+
+
+def test_every_settings_flag_reaches_its_setting() -> None:
+    """The flags of `serve` are config keys: each one given lands in Settings under its own name."""
+    from node_agent.cli.main import build_parser, settings_from
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = [a for a in serve._actions if a.option_strings and a.dest not in ("help", "config")]
+    argv = ["serve"]
+    for a in flags:
+        argv += [a.option_strings[0], a.choices[-1] if a.choices else "/x" if a.metavar in ("DIR", "PATH", "FILE") else "9100"]
+    args = parser.parse_args(argv)
+    given = {a.dest: getattr(args, a.dest) for a in flags}
+    # The listener needs its TLS files and a HOST:PORT; the CRI listener a unix:/// URL.
+    given.update(listen="127.0.0.1:9443", cri_listen="unix:///x", cri_endpoint="unix:///x")
+    for dest, value in given.items():
+        setattr(args, dest, value)
+    s = settings_from(args)
+    assert {dest: getattr(s, dest) for dest in given} == given

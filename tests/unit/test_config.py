@@ -59,7 +59,7 @@ def test_lazy_restore_setting(tmp_path: Path) -> None:
     s = load(str(cfg))
     assert s.lazy_restore == "never" and s.timeouts.lazy_start == 30.0
     cfg.write_text("lazy-restore: sometimes\n")
-    with pytest.raises(InvalidArgument, match="lazy-restore must be auto or never"):
+    with pytest.raises(InvalidArgument, match="config key 'lazy-restore': must be one of auto, never, got 'sometimes'"):
         load(str(cfg))
 
 
@@ -78,3 +78,44 @@ def test_timeouts_are_finite(tmp_path: Path, text: str) -> None:
         with pytest.raises(InvalidArgument) as e:
             load(str(cfg))
         assert "finite" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("devices:\n  raise-polls: 0\n", "config key 'devices.raise-polls': must be an integer of at least 1, got 0"),
+        ("devices:\n  xid-ignore: [13, x]\n", "config key 'devices.xid-ignore[1]': must be an integer, got 'x'"),
+        ("retention:\n  gc-interval: 1.5\n", "config key 'retention.gc-interval': must be a non-negative integer, got 1.5"),
+        ("log-level: loud\n", "config key 'log-level': must be one of debug, info, warning, error, got 'loud'"),
+        ("metrics-listen: [9100]\n", "config key 'metrics-listen': must be HOST:PORT or a port, got [9100]"),
+        ("timeouts: 5\n", "config key 'timeouts': must be a mapping, got 5"),
+        ("devices:\n  1: 2\n", "config key 'devices': every key must be a string"),
+    ],
+)
+def test_a_refusal_names_the_key_what_it_takes_and_what_it_got(tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(InvalidArgument) as e:
+        load(str(cfg))
+    assert str(e.value) == message
+
+
+def test_an_empty_file_sets_nothing_and_flags_take_what_their_keys_take(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("")
+    assert load(str(cfg)) == Settings(config_file=str(cfg))
+    assert load(None, {"metrics_listen": "9100", "log_level": "debug"}).metrics_listen == "9100"
+    with pytest.raises(InvalidArgument, match="config key 'log-level': must be one of"):
+        load(None, {"log_level": "loud"})
+    with pytest.raises(InvalidArgument, match="unknown settings: bogus"):
+        load(None, {"bogus": 1})
+    with pytest.raises(InvalidArgument, match="unknown config key 'config-file'"):
+        cfg.write_text("config-file: /elsewhere.yaml\n")
+        load(str(cfg))
+
+
+def test_settings_stay_frozen() -> None:
+    s = Settings()
+    with pytest.raises(AttributeError):
+        s.store = "/elsewhere"  # type: ignore[misc]
+    assert hash(s) == hash(Settings()) and s == Settings()

@@ -204,7 +204,7 @@ def test_cri_listen_setting() -> None:
 
 
 def test_output_store_abandoned_writer_stops_and_is_waited_for(tmp_path: Any) -> None:
-    from node_agent.api.cri_endpoint import _caller_dir, _empty_dir, _open_store, _OutputStore
+    from node_agent.api.cri_endpoint import _caller_dir, _empty_dir, _open_store, _OutputWriters
     from node_agent.errors import Cancelled, FailedPrecondition, InvalidArgument
 
     out = tmp_path / "out"
@@ -218,21 +218,26 @@ def test_output_store_abandoned_writer_stops_and_is_waited_for(tmp_path: Any) ->
         _caller_dir("output_path", "relative", str(tmp_path / "store"))
     assert _caller_dir("output_path", str(out), str(tmp_path / "store")) == str(out)
 
-    store = _open_store(str(out), _OutputStore)
+    writers = _OutputWriters()
+    store = _open_store(str(out), writers)
     assert (out.stat().st_mode & 0o777) == 0o755, "the caller's directory keeps its mode"
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_bytes(os.urandom(1 << 20))
-    store.abandon()
-    with pytest.raises(Cancelled):
-        with store.writer() as w:
+    with store.writer() as w:
+        writers.abandon()  # the call ends while its writer runs
+        with pytest.raises(Cancelled):
             w.add_tree("", str(src))
-    assert store.wait_idle(1.0)
+    assert writers.wait_idle(1.0)
+    with pytest.raises(Cancelled):
+        store.writer()
+    assert writers.wait_idle(1.0)
     _empty_dir(str(out))
     assert list(out.iterdir()) == []
 
-    fresh = _open_store(str(out), _OutputStore)
+    fresh_writers = _OutputWriters()
+    fresh = _open_store(str(out), fresh_writers)
     with fresh.writer() as w:
         w.add_tree("", str(src))
         w.commit({"kind": "test"})
-    assert fresh.wait_idle(1.0) and len(fresh.list()) == 1
+    assert fresh_writers.wait_idle(1.0) and len(fresh.list()) == 1

@@ -12,6 +12,7 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from devices_fakes import FakeApiServer, SysfsTree, resource_slice
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
@@ -187,9 +188,14 @@ async def test_the_monitor_loop_starts_and_stops_and_feeds_metrics(tmp_path: Pat
     finally:
         await d.monitor.stop()
     assert d.monitor._task is None
-    text = await asyncio.to_thread(metrics.render)
-    assert 'node_agent_devices{health="healthy"} 2' in text
-    assert 'node_agent_devices{health="unmonitored"} 0' in text
+    by_health = devices_by_health(await asyncio.to_thread(metrics.render))
+    assert (by_health["healthy"], by_health["unmonitored"]) == (2, 0)
+
+
+def devices_by_health(text: str) -> dict[str, float]:
+    """`node_agent_devices` of an exposition, parsed by prometheus_client's parser: health -> count."""
+    return {s.labels["health"]: s.value for f in text_string_to_metric_families(text) if f.name == "node_agent_devices"
+            for s in f.samples}
 
 
 def test_the_devices_config_section() -> None:
@@ -261,7 +267,8 @@ def test_the_daemon_serves_devices_from_another_sysfs_root_and_writes_rules(tmp_
             assert rule["spec"]["deviceSelector"] == {"driver": "gpu.amd.com", "pool": NODE, "device": "gpu-0"}
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as resp:
                 text = resp.read().decode()
-            assert 'node_agent_devices{health="unhealthy"} 1' in text and 'node_agent_devices{health="healthy"} 1' in text
+            by_health = devices_by_health(text)
+            assert (by_health["unhealthy"], by_health["healthy"]) == (1, 1)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0, (tmp_path / "agent.log").read_text()
         finally:

@@ -10,6 +10,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from conftest import Clock
 from devices_fakes import FakeApiServer, FakeGpu, FakePynvml, SysfsTree, resource_slice
 from node_agent.config import Devices, Settings
 from node_agent.devices.kube import KubeClient, from_kubeconfig
@@ -20,17 +21,6 @@ from node_agent.devices.types import ATTR_NUMA_NODE, ATTR_NVIDIA_UUID, ATTR_PCI_
 NODE = "dgx-3"
 GPU0, GPU1 = "0000:41:00.0", "0000:c1:00.0"
 UUID0, UUID1 = "GPU-5d3a7c1e-0b1f-4b4e-9f7e-1a2b3c4d5e6f", "GPU-0f9e8d7c-6b5a-4321-8765-abcdefabcdef"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 500.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        return 1_800_000_000.0 + self.t
 
 
 def gpu_tree(root: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from conftest import Clock
 from devices_fakes import FakeApiServer, SysfsTree, resource_slice
 from node_agent.config import Devices, Settings
 from node_agent.devices.kube import KubeClient, from_kubeconfig
@@ -25,17 +26,6 @@ from node_agent.devices.types import ATTR_PCI_BUS_ID
 NODE = "gpu-node-7"
 GPU = "0000:41:00.0"
 NIC = "0000:81:00.0"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        return 1_800_000_000.0 + self.t
 
 
 def no_nvml() -> Nvml:

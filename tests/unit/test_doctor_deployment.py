@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from criu_bridge.mountinfo import Mount
 from node_agent.cli import doctor
 from node_agent.cli.containerd_config import snippet
 from node_agent.config import Settings
@@ -155,6 +156,18 @@ def test_lazy_restore_line_names_the_fallback() -> None:
     assert c.verdict == "WARN" and c.detail.startswith("unavailable (falls back to full restore)")
 
 
+def test_criu_feature_report_is_folded_into_the_one_lazy_verdict(tmp_path: Path) -> None:
+    """A report of no lazy pages makes the verdict no, even where `criu check` passes."""
+    criu = tmp_path / "criu"
+    criu.write_text("#!/bin/sh\nexit 0\n")
+    criu.chmod(0o755)
+    s = Settings(criu=str(criu))
+    assert doctor._lazy_check(s, {"lazy_pages": True}).verdict == "OK"
+    assert doctor._lazy_check(s).verdict == "OK"
+    c = doctor._lazy_check(s, {"lazy_pages": False})
+    assert c.verdict == "WARN" and "feature report" in c.detail and c.fix.startswith("a kernel with userfaultfd")
+
+
 def test_doctor_deployment_command_fails_on_a_bare_machine(tmp_path: Path) -> None:
     """No containerd, no handler: exit 1, and every FAIL carries a fix."""
     cp = subprocess.run([NODE_AGENT, "doctor", "--deployment", "--store", str(tmp_path / "s"), "--cri-endpoint",
@@ -167,7 +180,8 @@ def test_doctor_deployment_command_fails_on_a_bare_machine(tmp_path: Path) -> No
     assert any(line.startswith("FAIL handler:") for line in fails)
     for line in fails:
         assert "; fix: " in line or line.startswith("FAIL cri:"), line
-    assert any(line.startswith(("OK   lazy restore:", "WARN lazy restore:")) for line in lines)
+    lazy = [line for line in lines if "lazy" in line.split(":")[0]]  # one verdict, CRIU's report folded in
+    assert len(lazy) == 1 and lazy[0].startswith(("OK   lazy restore:", "WARN lazy restore:")), cp.stdout
     assert any(line.startswith(("OK   api credentials:", "WARN api credentials:")) for line in lines)
     assert any(line.startswith(("OK   nvml gpus:", "FAIL nvml gpus:")) for line in lines)
 
@@ -176,15 +190,15 @@ def test_in_a_container_the_store_must_come_from_the_host(tmp_path: Path) -> Non
     store = tmp_path / "store"
     store.mkdir()
     s = Settings(store=str(store), cri_endpoint=f"unix://{tmp_path}/none.sock")
-    image_only = [doctor.Mount("/", "overlay", "overlay"), doctor.Mount("/sys/fs/cgroup", "cgroup2", "cgroup2"),
-                  doctor.Mount("/dev", "tmpfs", "tmpfs")]
+    image_only = [Mount("/", "overlay", "overlay"), Mount("/sys/fs/cgroup", "cgroup2", "cgroup2"),
+                  Mount("/dev", "tmpfs", "tmpfs")]
     checks = _by_name(doctor._mount_checks(s, image_only, contained=True))
     assert checks["mount store"].verdict == "FAIL" and "container's own filesystem" in checks["mount store"].detail
     assert checks["mount store"].fix == f"mount the host's {store} at {store} (hostPath) in the agent's container"
     assert checks["mount cri socket"].verdict == "FAIL"
     assert checks["mount /dev"].verdict == "WARN"
     assert checks["mount /sys"].verdict == "OK"
-    mounted = image_only + [doctor.Mount(str(store), "ext4", "/dev/vda1"), doctor.Mount("/dev", "devtmpfs", "udev")]
+    mounted = image_only + [Mount(str(store), "ext4", "/dev/vda1"), Mount("/dev", "devtmpfs", "udev")]
     checks = _by_name(doctor._mount_checks(s, mounted, contained=True))
     assert checks["mount store"].verdict == "OK" and checks["mount /dev"].verdict == "OK"
     # On the host itself, the same store is simply there.

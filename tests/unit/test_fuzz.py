@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from criu_bridge import criuimg as img
 from criu_bridge import locks
 from criu_bridge.errors import BridgeError
 from criu_bridge.wrapper import Call
@@ -176,7 +177,7 @@ def test_saved_configs_against_the_cri_schema(doc: Any, kind: str) -> None:
 @FAST
 @given(st.dictionaries(st.text(max_size=20), st.text(max_size=10), max_size=5))
 def test_option_maps(options: dict[str, str]) -> None:
-    from node_agent.checkpointing import parse_all_options, parse_options
+    from node_agent.podformat import parse_all_options, parse_options
     from node_agent.restoring import parse_restore_options
 
     for parse in (parse_all_options, parse_options, parse_restore_options):
@@ -187,7 +188,7 @@ def test_option_maps(options: dict[str, str]) -> None:
 
 
 def _img(magic: int, entries: list[bytes]) -> bytes:
-    return struct.pack("<II", criuimg.IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e
+    return struct.pack("<II", img.IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e
                                                                          for e in entries)
 
 
@@ -196,10 +197,10 @@ def _img(magic: int, entries: list[bytes]) -> bytes:
 def test_criu_images(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     d = tmp_path_factory.mktemp("img")
     lock = bytes.fromhex("08021001180120052800 3000".replace(" ", ""))
-    seeds = {"filelocks.img": _img(criuimg.FILE_LOCKS_MAGIC, [lock]),
-             "ids-1.img": _img(criuimg.IDS_MAGIC, [bytes.fromhex("0801100b18012001")]),
-             "fdinfo-11.img": _img(criuimg.FDINFO_MAGIC, [bytes.fromhex("082810001801 2005".replace(" ", ""))]),
-             "files.img": _img(criuimg.FILES_MAGIC, [b"\x08\x01\x10\x28\x1a\x08\x08\x28\x32\x04/a/b"])}
+    seeds = {"filelocks.img": _img(img.FILE_LOCKS_MAGIC, [lock]),
+             "ids-1.img": _img(img.IDS_MAGIC, [bytes.fromhex("0801100b18012001")]),
+             "fdinfo-11.img": _img(img.FDINFO_MAGIC, [bytes.fromhex("082810001801 2005".replace(" ", ""))]),
+             "files.img": _img(img.FILES_MAGIC, [b"\x08\x01\x10\x28\x1a\x08\x08\x28\x32\x04/a/b"])}
     for name, seed in seeds.items():
         (d / name).write_bytes(data.draw(st.one_of(mutations(seed), st.binary(max_size=100))))
     only_agent_errors(lambda: criuimg.file_locks(str(d)))

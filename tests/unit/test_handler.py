@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from criu_bridge import wrapper
@@ -64,7 +65,7 @@ def test_a_handler_serving_another_store_is_refused_with_everything_needed_to_fi
     s, _ = node
     other = tmp_path / "other" / "bin" / "node-agent-runc"
     wrapper.install(str(other), python=sys.executable, runc="/usr/bin/runc", plans_dir=str(tmp_path / "other/plans"))
-    s = Settings(**{**s.__dict__, "config_file": "/etc/node-agent/config.yaml"})
+    s = msgspec.structs.replace(s, config_file="/etc/node-agent/config.yaml")
     with pytest.raises(errors.FailedPrecondition) as e:
         asyncio.run(handler.require(FakeCri(_status(str(other), [wrapper.PLAN_ANNOTATION])), s, "criu",
                                     "restore as pod staging/copy"))

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from node_agent import errors, hostaccess
-from node_agent.restoring import parse_restore_options, target_container_config, target_pod_config, _Saved
+from node_agent.podformat import SavedPod
+from node_agent.restoring import parse_restore_options, target_container_config, target_pod_config
 
 UID = "0f3e6a3c-7d7e-4b8a-9a55-1b7a3b1f2c11"
 KUBELET = "/var/lib/kubelet"
@@ -81,7 +82,7 @@ def test_allow_host_access_takes_true_or_false_only(value: str) -> None:
 
 
 def test_checkpoint_annotations_never_reach_the_new_pod_or_container() -> None:
-    saved = _Saved("ns", "p", {**_pod(), "log_directory": "/etc/cron.d/ns_p_x",
+    saved = SavedPod("ns", "p", {**_pod(), "log_directory": "/etc/cron.d/ns_p_x",
                                "annotations": {"io.kubernetes.cri.untrusted-workload": "true"}}, (), ())
     pod = target_pod_config(saved, "staging", "copy", "u1", "sha256:x", "/var/log/pods")
     assert pod["annotations"] == {"node-agent.io/restored-from": "sha256:x"}

@@ -27,7 +27,7 @@ import pytest
 import zstandard
 
 from node_agent import errors, interop
-from node_agent.interop import common, importing
+from node_agent.interop import archive, common, importing, layer, plans, staging
 from node_agent.interop.common import ImportLimits
 from tests.unit.test_interop import (
     Env,
@@ -50,7 +50,7 @@ STAGING_CAP = 64 * MiB  # the most a stopped bomb may ever have staged
 
 
 class Watch:
-    """The os module as importing.py sees it: every write measured, the free space faked at will."""
+    """The os module as the import's modules see it: every write measured, the free space faked at will."""
 
     def __init__(self, work: Path, cap: int = STAGING_CAP) -> None:
         self.work = work
@@ -108,7 +108,8 @@ def watch(env: Env, monkeypatch: pytest.MonkeyPatch) -> Watch:
     proxy.write = w.write  # type: ignore[attr-defined]
     proxy.fstatvfs = w.fstatvfs  # type: ignore[attr-defined]
     proxy.statvfs = w.statvfs  # type: ignore[attr-defined]
-    monkeypatch.setattr(importing, "os", proxy)
+    for module in (importing, archive, staging, layer, plans):
+        monkeypatch.setattr(module, "os", proxy)
     return w
 
 
@@ -116,13 +117,13 @@ def watch(env: Env, monkeypatch: pytest.MonkeyPatch) -> Watch:
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How often the import started reading the archive from its start."""
     calls: list[int] = []
-    original = importing._Archive.reader
+    original = archive.Archive.reader
 
     def counting(self: Any, bounds: Any) -> Any:
         calls.append(1)
         return original(self, bounds)
 
-    monkeypatch.setattr(importing._Archive, "reader", counting)
+    monkeypatch.setattr(archive.Archive, "reader", counting)
     return calls
 
 
@@ -384,7 +385,7 @@ def test_an_archive_that_changes_between_its_two_reads_is_refused(
     second = _ordered([n.replace("pages-1", "pages-2") for n in ORDERS["cri-o"]], files)
     assert len(first) == len(second) and first != second
     path = env.write(first)
-    original = importing._Archive.reader
+    original = archive.Archive.reader
     calls: list[int] = []
 
     def swapping(self: Any, bounds: Any) -> Any:
@@ -394,7 +395,7 @@ def test_an_archive_that_changes_between_its_two_reads_is_refused(
                 fh.write(second)
         return original(self, bounds)
 
-    monkeypatch.setattr(importing._Archive, "reader", swapping)
+    monkeypatch.setattr(archive.Archive, "reader", swapping)
     before = env.outside()
     with pytest.raises(errors.InvalidArgument, match="changed while it was read"):
         interop.import_archive(env.store, path, limits=ImportLimits(max_staged_before_required=MiB),
@@ -502,9 +503,9 @@ def test_staged_bytes_count_against_max_total_bytes(env: Env, watch: Watch) -> N
     # The staging meter itself, below the declared-size check: every write is counted.
     limits = ImportLimits(max_total_bytes=10 * MiB, min_free_bytes=0)
     bounds = limits.bounds(GiB)
-    staging = importing._Staging(str(env.root / "store" / "work"))
+    area = staging.Staging(str(env.root / "store" / "work"))
     try:
-        meter = importing._Meter(staging.fd, "work", limits, bounds)
+        meter = staging.Meter(area.fd, "work", limits, bounds)
         meter.admit("'m'", 8 * MiB)
         for i in range(8):
             meter.charge("'m'", MiB, i * MiB, 8 * MiB)
@@ -515,4 +516,4 @@ def test_staged_bytes_count_against_max_total_bytes(env: Env, watch: Watch) -> N
         with pytest.raises(errors.ResourceExhausted, match=pattern):
             meter.admit("'n'", 3 * MiB)
     finally:
-        staging.close()
+        area.close()

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from criu_bridge.rootfs import apply_diff
+from criu_bridge.rootfs.apply import apply_diff
 from node_agent import errors
-from node_agent.interop import importing
+from node_agent.interop.archive import Pass
 from node_agent.interop.common import ImportLimits
 from tests.unit.test_interop import Env, Tar, _json_member, _reg, files_img, stored_files
 
@@ -383,13 +383,13 @@ def test_what_is_not_kept_is_not_staged_but_still_counts(env: Env, monkeypatch: 
     env.assert_clean(before)
 
     staged: list[str] = []
-    real_stage = importing._Pass._stage
+    real_stage = Pass._stage
 
-    def stage(self: importing._Pass, reader: Any, shown: str, size: int) -> str:
+    def stage(self: Pass, reader: Any, shown: str, size: int) -> str:
         staged.append(shown)
         return real_stage(self, reader, shown, size)
 
-    monkeypatch.setattr(importing._Pass, "_stage", stage)
+    monkeypatch.setattr(Pass, "_stage", stage)
     files = stored_files(env.store, env.import_(archive))
     assert "'status.dump'" in staged and "'config.dump'" in staged
     assert "'container.log'" not in staged and "'status'" not in staged

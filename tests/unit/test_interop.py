@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 import zstandard
+from google.protobuf.internal.encoder import _VarintBytes
 
+from criu_bridge import criuimg as img
 from node_agent import errors, interop
-from node_agent.checkpointing import METADATA_KIND
-from node_agent.interop import criuimg, tarfmt
+from node_agent.podformat import METADATA_KIND
+from node_agent.interop import criuimg
 from node_agent.interop.common import ImportLimits, dns_label
 from node_agent.store import CheckpointRecord, Store
 
@@ -28,22 +30,11 @@ MiB = 1 << 20
 # -- building blocks -------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def _field(number: int, value: int | bytes) -> bytes:
+    """One protobuf field, encoded by protobuf's own varint encoder."""
     if isinstance(value, int):
-        return _varint(number << 3) + _varint(value)
-    return _varint((number << 3) | 2) + _varint(len(value)) + value
+        return _VarintBytes(number << 3) + _VarintBytes(value)
+    return _VarintBytes((number << 3) | 2) + _VarintBytes(len(value)) + value
 
 
 def _reg(name: bytes, mode: int, fid: int) -> bytes:
@@ -53,7 +44,7 @@ def _reg(name: bytes, mode: int, fid: int) -> bytes:
 
 
 def files_img(entries: list[bytes]) -> bytes:
-    out = struct.pack("<II", criuimg.IMG_COMMON_MAGIC, criuimg.FILES_MAGIC)
+    out = struct.pack("<II", img.IMG_COMMON_MAGIC, img.FILES_MAGIC)
     for e in entries:
         out += struct.pack("<I", len(e)) + e
     return out
@@ -692,26 +683,6 @@ def test_relax_root_dir_mode_touches_only_the_root_entry() -> None:
         criuimg.relax_root_dir_mode(b"\0" * 16)
     with pytest.raises(errors.InvalidArgument, match="truncated"):
         criuimg.relax_root_dir_mode(img[:-3])
-
-
-def test_tar_writer_output_reads_back_with_tarfile() -> None:
-    buf = io.BytesIO()
-    tw = tarfmt.TarWriter(buf, mtime=1_700_000_000)
-    tw.add_dir("d", 0o755)
-    long_name = "d/" + "x" * 150 + "/ünï.img"
-    tw.add_bytes(long_name, 0o640, b"content")
-    tw.add_bytes("d/empty", 0o600, b"")
-    tw.close()
-    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tf:
-        assert tf.getnames() == ["d", long_name, "d/empty"]
-        m = tf.getmember(long_name)
-        assert m.mode == 0o640 and m.mtime == 1_700_000_000
-        assert tf.extractfile(m).read() == b"content"  # type: ignore[union-attr]
-    reader = tarfmt.TarReader(io.BytesIO(buf.getvalue()), max_member_bytes=100)
-    kinds = []
-    while (member := reader.next()) is not None:
-        kinds.append((member.name.decode(), member.kind, member.size))
-    assert kinds == [("d/", "dir", 0), (long_name, "file", 7), ("d/empty", "file", 0)]
 
 
 def test_stats_dump_in_both_places_keeps_the_images_copy(env: Env) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from node_agent.lazy import background, pagemap, protocol
 from node_agent.lazy.source import Source, SourceError
-from node_agent.restoring import lazy_pages_files, write_sparse_pages
+from node_agent.lazy.staging import lazy_pages_files, write_sparse_pages
 from node_agent.store import Store
 
 PAGE = pagemap.PAGE_SIZE
@@ -208,17 +208,17 @@ def test_a_held_checkpoint_removed_mid_transfer_still_serves_and_fetches(
     away = tmp_path / "registry-copy"
     os.replace(store.blob_path(remote.digest), away)  # as a lazy pull leaves it: only at the origin
     origin = {"reference": "registry.test/ckpt@" + cid}
-    store.set_origin(cid, origin)
+    store.origins.remember(cid, origin)
     asked: list[object] = []
 
     def fetcher(where: object, chunk: object) -> None:
         asked.append(where)
         os.link(away, store.blob_path(remote.digest))
 
-    store.fetcher = fetcher
+    store.origins.fetcher = fetcher
     with store.hold(cid):
         store.remove(cid)  # unpublishes it and forgets its origin
-        assert store.origin(cid) is None
+        assert store.origins.get(cid) is None
         daemon, t, result = _serve(Source(store, cid, "c", str(images), origin))
         got, _, data = daemon.get(42, 0x7F0000400000, 5)
         assert data == _pages_bytes(307)[302 * PAGE:]

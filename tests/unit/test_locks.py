@@ -8,6 +8,7 @@ import os
 import struct
 from pathlib import Path
 
+from criu_bridge import criuimg as img
 from criu_bridge import locks
 from node_agent.interop import criuimg
 from node_agent.restoring import plan_locks
@@ -15,26 +16,26 @@ from tests.unit.test_interop import _field as _f
 
 
 def _img(magic: int, entries: list[bytes]) -> bytes:
-    return struct.pack("<II", criuimg.IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
+    return struct.pack("<II", img.IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def _images(d: Path) -> Path:
     """Two processes: pid 1 holds an flock on /vol/app.lock (fd 5), pid 7 a POSIX read lock on /db/x (fd 3)."""
     d.mkdir()
-    (d / "filelocks.img").write_bytes(_img(criuimg.FILE_LOCKS_MAGIC, [
+    (d / "filelocks.img").write_bytes(_img(img.FILE_LOCKS_MAGIC, [
         _f(1, criuimg.FL_FLOCK) + _f(2, 1) + _f(3, 1) + _f(4, 5) + _f(5, 0) + _f(6, 0),
         _f(1, criuimg.FL_POSIX) + _f(2, 0) + _f(3, 7) + _f(4, 3) + _f(5, 100) + _f(6, 10),
         _f(1, criuimg.FL_LEASE) + _f(2, 1) + _f(3, 7) + _f(4, 3) + _f(5, 0) + _f(6, 0),
     ]))
     # CRIU 4.2 writes ids-<pid>.img; the ids may also sit inside core-<pid>.img.
     ids = _f(1, 1) + _f(2, 11) + _f(3, 1) + _f(4, 1)
-    (d / "ids-1.img").write_bytes(_img(criuimg.IDS_MAGIC, [ids]))
+    (d / "ids-1.img").write_bytes(_img(img.IDS_MAGIC, [ids]))
     ids = _f(1, 1) + _f(2, 12) + _f(3, 1) + _f(4, 1)
-    (d / "core-7.img").write_bytes(_img(criuimg.CORE_MAGIC, [_f(1, 1) + _f(4, ids)]))
-    (d / "fdinfo-11.img").write_bytes(_img(criuimg.FDINFO_MAGIC, [_f(1, 40) + _f(2, 0) + _f(3, 1) + _f(4, 5)]))
-    (d / "fdinfo-12.img").write_bytes(_img(criuimg.FDINFO_MAGIC, [_f(1, 41) + _f(2, 0) + _f(3, 1) + _f(4, 3)]))
+    (d / "core-7.img").write_bytes(_img(img.CORE_MAGIC, [_f(1, 1) + _f(4, ids)]))
+    (d / "fdinfo-11.img").write_bytes(_img(img.FDINFO_MAGIC, [_f(1, 40) + _f(2, 0) + _f(3, 1) + _f(4, 5)]))
+    (d / "fdinfo-12.img").write_bytes(_img(img.FDINFO_MAGIC, [_f(1, 41) + _f(2, 0) + _f(3, 1) + _f(4, 3)]))
     reg = lambda fid, name: _f(1, 1) + _f(2, fid) + _f(3, _f(1, fid) + _f(2, 0) + _f(3, 0) + _f(6, name))  # noqa: E731
-    (d / "files.img").write_bytes(_img(criuimg.FILES_MAGIC, [reg(40, b"/vol/app.lock"), reg(41, b"/db/x")]))
+    (d / "files.img").write_bytes(_img(img.FILES_MAGIC, [reg(40, b"/vol/app.lock"), reg(41, b"/db/x")]))
     return d
 
 

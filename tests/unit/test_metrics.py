@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent import errors
 from node_agent.metrics import Metrics, instrumented, serve_metrics
@@ -32,10 +32,16 @@ class Worker:
         return object()
 
 
-def sample(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"no {name} in\n{text}"
-    return float(m.group(1))
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition, parsed by prometheus_client's own parser."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    found = samples(text).get((name, frozenset(labels.items())))
+    assert found is not None, f"no {name}{labels} in\n{text}"
+    return found
 
 
 async def test_reports_are_rendered() -> None:
@@ -55,16 +61,37 @@ async def test_reports_are_rendered() -> None:
     assert sample(text, "node_agent_checkpoint_duration_seconds_sum") > 0.02
     assert sample(text, "node_agent_checkpoint_frozen_seconds_count") == 2
     assert sample(text, "node_agent_checkpoint_frozen_seconds_sum") == pytest.approx(3.042)
-    assert sample(text, 'node_agent_checkpoint_frozen_seconds_bucket{le="0.05"}') == 1
-    assert sample(text, 'node_agent_checkpoint_frozen_seconds_bucket{le="+Inf"}') == 2
+    assert sample(text, "node_agent_checkpoint_frozen_seconds_bucket", le="0.05") == 1
+    assert sample(text, "node_agent_checkpoint_frozen_seconds_bucket", le="+Inf") == 2
     assert sample(text, "node_agent_checkpoint_bytes_written_total") == 300
     assert sample(text, "node_agent_checkpoint_bytes_deduplicated_total") == 700
     assert sample(text, "node_agent_restore_duration_seconds_count") == 1
-    assert sample(text, 'node_agent_failures_total{operation="checkpoint",reason="FAILED_PRECONDITION"}') == 1
-    assert sample(text, 'node_agent_failures_total{operation="checkpoint",reason="CANCELLED"}') == 1
+    assert sample(text, "node_agent_failures_total", operation="checkpoint", reason="FAILED_PRECONDITION") == 1
+    assert sample(text, "node_agent_failures_total", operation="checkpoint", reason="CANCELLED") == 1
     assert sample(text, "node_agent_store_size_bytes") == 12345
-    assert sample(text, 'node_agent_devices{health="healthy"}') == 0
-    assert "# TYPE node_agent_checkpoint_duration_seconds histogram" in text
+    assert sample(text, "node_agent_devices", health="healthy") == 0
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert types["node_agent_checkpoint_duration_seconds"] == "histogram"
+    assert types["node_agent_checkpoints"] == "counter" and types["node_agent_store_size_bytes"] == "gauge"
+
+
+def test_the_process_collectors_report_and_no_created_series_are_exposed() -> None:
+    m = Metrics()
+    m.observe_failure("restore", TimeoutError())
+    text = m.render()
+    names = {name for name, _ in samples(text)}
+    assert sample(text, "process_resident_memory_bytes") > 0 and sample(text, "process_open_fds") > 0
+    assert "process_cpu_seconds_total" in names and "python_info" in names
+    assert not [n for n in names if n.endswith("_created")]
+    assert sample(text, "node_agent_failures_total", operation="restore", reason="DEADLINE_EXCEEDED") == 1
+
+
+def test_each_instance_has_a_registry_of_its_own() -> None:
+    a, b = Metrics(), Metrics()
+    a.observe_restore(None, 1.0)
+    assert sample(a.render(), "node_agent_restores_total") == 1
+    assert sample(b.render(), "node_agent_restores_total") == 0
+    assert a.registry is not b.registry
 
 
 def test_a_store_that_cannot_be_measured_leaves_the_gauge_out() -> None:

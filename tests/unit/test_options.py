@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from node_agent import errors
-from node_agent.checkpointing import SUPPORTED_OPTIONS, parse_all_options, parse_options
+from node_agent.podformat import SUPPORTED_OPTIONS, parse_all_options, parse_options
 from node_agent.options import boolean
 from node_agent.restoring import RESTORE_OPTIONS, parse_restore_options
 

@@ -33,7 +33,8 @@ from node_agent.errors import (
     Unauthenticated,
     Unavailable,
 )
-from node_agent.registry import MANIFEST_MEDIA_TYPE, Credentials, Progress, pull, push
+from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE
+from node_agent.registry import Credentials, Progress, pull, push
 from node_agent.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +118,7 @@ def _stopper(threshold: int) -> Callable[[Progress], None]:
 
 
 def _manifest_status(registry: Registry, target: str, user: str = "") -> int:
-    status, _ = registry.request("GET", f"/v2/ckpt/web/manifests/{target}", user=user, headers={"Accept": MANIFEST_MEDIA_TYPE})
+    status, _ = registry.request("GET", f"/v2/ckpt/web/manifests/{target}", user=user, headers={"Accept": OCI_MANIFEST_MEDIA_TYPE})
     return status
 
 
@@ -137,7 +138,7 @@ def test_push_then_pull_into_an_empty_store(tmp_path: Path, registry: Registry, 
     assert [e.bytes_done for e in events] == sorted(e.bytes_done for e in events)
     assert {e.phase for e in events} == {"blobs", "manifest", "done"}
 
-    status, body = registry.request("GET", "/v2/ckpt/web/manifests/v1", headers={"Accept": MANIFEST_MEDIA_TYPE})
+    status, body = registry.request("GET", "/v2/ckpt/web/manifests/v1", headers={"Accept": OCI_MANIFEST_MEDIA_TYPE})
     assert (status, body) == (200, src.manifest_bytes(cid))
     assert registry.blob_data(cid).read_bytes() == src.manifest_bytes(cid)
 
@@ -483,7 +484,7 @@ def test_not_a_checkpoint(tmp_path: Path, registry: Registry, source: tuple[Stor
     doc = json.loads(src.manifest_bytes(cid))
     doc["artifactType"] = "application/vnd.example.other"
     status, body = registry.request(
-        "PUT", "/v2/ckpt/web/manifests/other", headers={"Content-Type": MANIFEST_MEDIA_TYPE}, body=json.dumps(doc).encode()
+        "PUT", "/v2/ckpt/web/manifests/other", headers={"Content-Type": OCI_MANIFEST_MEDIA_TYPE}, body=json.dumps(doc).encode()
     )
     assert status == 201, body
     dst = Store(tmp_path / "dest-store")
@@ -555,14 +556,6 @@ def _send(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", heade
         handler.wfile.write(body)
 
 
-@pytest.fixture
-def servers() -> Iterator[list[_Server]]:
-    started: list[_Server] = []
-    yield started
-    for server in started:
-        server.close()
-
-
 def test_redirected_blobs_get_no_credentials(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]], servers: list[_Server]) -> None:
     src, cid, files = source
     manifest = src.manifest_bytes(cid)
@@ -579,7 +572,7 @@ def test_redirected_blobs_get_no_credentials(tmp_path: Path, source: tuple[Store
         if handler.headers.get("Authorization") != Credentials("alice", "pw").basic_header():
             _send(handler, 401, b"{}", {"WWW-Authenticate": 'Basic realm="front"'})
         elif handler.path == "/v2/ckpt/web/manifests/v1":
-            _send(handler, 200, manifest, {"Content-Type": MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": cid})
+            _send(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": cid})
         elif "/blobs/" in handler.path:
             digest = handler.path.rsplit("/", 1)[-1]
             _send(handler, 307, b"", {"Location": f"http://127.0.0.1:{cdn_port}/cdn/{digest}?signature=abc"})
@@ -606,17 +599,17 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
     def hostile(handler: BaseHTTPRequestHandler) -> None:
         path = handler.path
         if path == "/v2/ckpt/web/manifests/huge":
-            _send(handler, 200, b"", {"Content-Type": MANIFEST_MEDIA_TYPE, "Content-Length": str(17 * MiB)})
+            _send(handler, 200, b"", {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Content-Length": str(17 * MiB)})
         elif path == "/v2/ckpt/web/manifests/endless":
             handler.send_response(200)
-            handler.send_header("Content-Type", MANIFEST_MEDIA_TYPE)
+            handler.send_header("Content-Type", OCI_MANIFEST_MEDIA_TYPE)
             handler.send_header("Transfer-Encoding", "chunked")
             handler.end_headers()
             piece = b" " * MiB
             for _ in range(20):
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
         elif path.startswith("/v2/ckpt/web/manifests/"):
-            _send(handler, 200, manifest, {"Content-Type": MANIFEST_MEDIA_TYPE})
+            _send(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE})
         elif path.startswith("/v2/ckpt/web/blobs/"):
             digest = path.rsplit("/", 1)[-1]
             with src.open_blob(digest) as f:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import Clock
 from node_agent.errors import PermissionDenied, Unauthenticated
 from node_agent.registry import Credentials
 from node_agent.registry.auth import Authenticator
@@ -23,14 +24,6 @@ class Fetcher:
     def __call__(self, realm: str, query: list[tuple[str, str]], authorization: str | None) -> bytes:
         self.calls.append((realm, query, authorization))
         return json.dumps({"token": f"t{len(self.calls)}", "expires_in": self.expires_in}).encode()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _auth(creds: Credentials, fetch: Fetcher, clock: Clock | None = None, actions: str = "pull,push") -> Authenticator:
@@ -59,9 +52,9 @@ def test_expired_token_is_replaced_before_use() -> None:
     fetch, clock = Fetcher(expires_in=60), Clock()
     auth = _auth(Credentials("alice", "pw"), fetch, clock)
     auth.challenged([CHALLENGE], None, False)
-    clock.now += 30
+    clock.t += 30
     assert auth.header() == "Bearer t1"
-    clock.now += 30
+    clock.t += 30
     assert auth.header() == "Bearer t2"
 
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,8 @@ import pytest
 
 from node_agent.config import RegistrySettings
 from node_agent.errors import DeadlineExceeded
-from node_agent.registry import MANIFEST_MEDIA_TYPE, Credentials, pull, push
+from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE
+from node_agent.registry import Credentials, pull, push
 from node_agent.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,14 +49,6 @@ def source(tmp_path: Path) -> tuple[Store, str]:
         w.add_bytes("spec.dump", b"{}")
         record = w.commit({"kind": "test"})
     return store, record.id
-
-
-@pytest.fixture
-def servers() -> Iterator[list[FakeServer]]:
-    started: list[FakeServer] = []
-    yield started
-    for server in started:
-        server.close()
 
 
 def _blobs(store: Store, cid: str) -> dict[str, int]:
@@ -96,7 +89,7 @@ def _run(fn: Callable[[], Any], limit: float, servers: list[FakeServer]) -> tupl
 def _nothing_staged(store: Store) -> None:
     assert store.list() == []
     assert os.listdir(store.ingest_dir) == []
-    assert os.listdir(store.origins_dir) == []
+    assert os.listdir(store.origins.dir) == []
 
 
 def _one_warning(caplog: pytest.LogCaptureFixture, op: str, ref: str, what: str) -> str:
@@ -124,7 +117,7 @@ def _registry(
             handler.wfile.write(head_bytes(200, {"Content-Type": "application/json", "Content-Length": str(len(body))}))
             trickle(handler, body, stopping, rate=1)
         elif path == "/v2/ckpt/web/manifests/v1":
-            headers = {"Content-Type": MANIFEST_MEDIA_TYPE, "Content-Length": str(len(manifest)), "Docker-Content-Digest": cid}
+            headers = {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Content-Length": str(len(manifest)), "Docker-Content-Digest": cid}
             if slow == "status line":
                 trickle(handler, head_bytes(200, headers), stopping, rate=1)
             elif slow == "manifest":
@@ -207,7 +200,7 @@ def test_a_blob_gets_its_size_over_the_minimum_rate(tmp_path: Path, source: tupl
     def serve(handler: BaseHTTPRequestHandler) -> None:
         path = handler.path
         if path == "/v2/ckpt/web/manifests/v1":
-            answer(handler, 200, manifest, {"Content-Type": MANIFEST_MEDIA_TYPE})
+            answer(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE})
         elif path.startswith("/v2/ckpt/web/blobs/"):
             digest = path.rsplit("/", 1)[-1]
             data = _blob(src, digest)

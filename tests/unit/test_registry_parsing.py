@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from node_agent.errors import InvalidArgument, Unavailable
+from node_agent.oci import ARTIFACT_TYPE, MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE
 from node_agent.registry import Credentials, Reference, parse_reference
 from node_agent.registry.auth import parse_challenges, parse_token_response
-from node_agent.registry.manifest import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, MAX_MANIFEST_SIZE, parse_manifest
+from node_agent.registry.manifest import parse_manifest
 
 D1 = "sha256:" + "a" * 64
 D2 = "sha256:" + "b" * 64
@@ -191,7 +192,7 @@ def test_token_answer() -> None:
 def _manifest(**changes: object) -> dict[str, object]:
     doc: dict[str, object] = {
         "schemaVersion": 2,
-        "mediaType": MANIFEST_MEDIA_TYPE,
+        "mediaType": OCI_MANIFEST_MEDIA_TYPE,
         "artifactType": ARTIFACT_TYPE,
         "config": {"mediaType": "application/vnd.node-agent.checkpoint.config.v1+json", "digest": D1, "size": 10},
         "layers": [{"mediaType": "application/vnd.node-agent.chunk.v1", "digest": D2, "size": 20}],
@@ -230,7 +231,7 @@ def test_manifest_descriptors() -> None:
         json.dumps(_manifest(config={"mediaType": "", "digest": D1, "size": 1})).encode(),
         json.dumps(_manifest(layers=[{"mediaType": "a/b", "digest": D2}])).encode(),
         json.dumps(_manifest(layers=["x"])).encode(),
-        b" " * (MAX_MANIFEST_SIZE + 1),
+        b" " * (MAX_MANIFEST_BYTES + 1),
     ],
 )
 def test_manifest_refuses(data: bytes) -> None:

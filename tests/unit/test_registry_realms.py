@@ -13,7 +13,6 @@ import json
 import logging
 import socket
 import sys
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -22,8 +21,9 @@ import pytest
 from node_agent.config import RegistrySettings
 from node_agent.errors import FailedPrecondition, InvalidArgument, Unauthenticated
 from node_agent.registry import Credentials, pull, push
+from node_agent.registry.connection import origin_of
 from node_agent.registry.reference import parse_reference
-from node_agent.registry.transport import Session, origin_of
+from node_agent.registry.transport import Session
 from node_agent.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,14 +38,6 @@ PASSWORD = "pw-that-must-stay-home"
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
     return Certificates(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def servers() -> Iterator[list[FakeServer]]:
-    started: list[FakeServer] = []
-    yield started
-    for server in started:
-        server.close()
 
 
 def _loopback_127_0_0_2() -> bool:

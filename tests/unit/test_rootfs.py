@@ -20,15 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from criu_bridge.errors import BridgeError, InvalidInput, LimitExceeded
-from criu_bridge.rootfs import (
-    DiffLimits,
-    DiffStats,
-    apply_diff,
-    capture_diff,
-    opaque_dirs_path,
-    parse_root_upperdir,
-    upperdir_of,
-)
+from criu_bridge.rootfs.apply import apply_diff
+from criu_bridge.rootfs.capture import capture_diff
+from criu_bridge.rootfs.common import DiffLimits, DiffStats, opaque_dirs_path
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown, trusted xattrs)")
 
@@ -806,45 +800,3 @@ def test_records_are_frozen_values() -> None:
 
     assert pickle.loads(pickle.dumps(stats)) == stats
     assert stats.as_dict()["bytes"] == 7
-
-
-# ---------------------------------------------------------------------------
-# mount table
-
-
-def test_parse_root_upperdir() -> None:
-    text = (
-        "22 27 0:21 / /proc rw,relatime - proc proc rw\n"
-        "27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        "812 27 0:95 / / rw,relatime master:7 shared:9 - overlay overlay "
-        "rw,lowerdir=/var/lib/l1:/var/lib/l2,"
-        "upperdir=/var/lib/containerd/snap\\040shot/12/fs\\054x\\134y\\075z,"
-        "workdir=/var/lib/containerd/snapshots/12/work,uuid=on\n"
-        "813 812 0:96 / /dev rw,nosuid - tmpfs tmpfs rw,size=65536k,mode=755\n"
-    )
-    assert parse_root_upperdir(text) == "/var/lib/containerd/snap shot/12/fs,x\\y=z"
-
-
-def test_parse_root_upperdir_errors() -> None:
-    with pytest.raises(BridgeError, match="ext4"):
-        parse_root_upperdir("27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n")
-    with pytest.raises(BridgeError, match="no upperdir"):
-        parse_root_upperdir("27 1 0:9 / / rw - overlay overlay ro,lowerdir=/a:/b\n")
-    with pytest.raises(BridgeError, match="no mount at /"):
-        parse_root_upperdir("22 27 0:21 / /proc rw,relatime - proc proc rw\ngarbage\n")
-    # A mount point whose escaped name is "/x" is not the root.
-    with pytest.raises(BridgeError):
-        parse_root_upperdir("27 1 0:9 / /\\040 rw - overlay overlay rw,upperdir=/u\n")
-
-
-def test_upperdir_of_this_process() -> None:
-    with open("/proc/self/mountinfo") as f:
-        roots = [line.split(" - ")[1].split()[0] for line in f if line.split()[4] == "/"]
-    if roots[-1] == "overlay":
-        assert upperdir_of(os.getpid())
-    else:
-        with pytest.raises(BridgeError, match="not overlayfs"):
-            upperdir_of(os.getpid())
-    with pytest.raises(BridgeError, match="mount table"):
-        upperdir_of(2**22 + 12345)
-

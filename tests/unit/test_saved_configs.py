@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_agent import errors
-from node_agent.checkpointing import METADATA_KIND
-from node_agent.restoring import load_saved
+from node_agent.podformat import METADATA_KIND, load_saved
 from node_agent.store import Store
 
 POD = json.dumps({"config": {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}}).encode()

@@ -10,7 +10,6 @@ import random
 import signal
 import stat
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from node_agent.oci import ARTIFACT_TYPE, EMPTY_BLOB, EMPTY_DIGEST, OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE
 from node_agent.store import (
-    ARTIFACT_TYPE,
     CHUNK_MEDIA_TYPE,
     CHUNK_ZSTD_MEDIA_TYPE,
     CONFIG_MEDIA_TYPE,
@@ -29,17 +28,11 @@ from node_agent.store import (
     Store,
 )
 from node_agent.store import checkpoints as checkpoints_mod
+from node_agent.store import index as index_mod
 from node_agent.store import manifest as manifest_mod
 from node_agent.store import pipeline as pipeline_mod
 from node_agent.store.chunking import Chunker
-from node_agent.store.manifest import (
-    CREATED_ANNOTATION,
-    EMPTY_BLOB,
-    EMPTY_DIGEST,
-    OCI_INDEX_MEDIA_TYPE,
-    OCI_MANIFEST_MEDIA_TYPE,
-    canonical_json,
-)
+from node_agent.store.manifest import CREATED_ANNOTATION, canonical_json
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -693,7 +686,7 @@ def _child_die_before_publish(root: str, data: bytes) -> None:
     def die(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoints_mod.Store._publish = die  # type: ignore[method-assign]
+    index_mod.Index.publish = die  # type: ignore[method-assign]
     store = Store(root, chunk_size=256)
     with store.writer() as w:
         w.add_bytes("f", data)
@@ -1024,7 +1017,7 @@ def test_document_limits(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DataLoss, match="limit"):
         store.get(cid)
     monkeypatch.undo()
-    monkeypatch.setattr(checkpoints_mod, "MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(index_mod, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(DataLoss, match="limit"):
         store.get(cid)
     monkeypatch.undo()
@@ -1124,25 +1117,23 @@ def test_materialize_many_files(small_store: Store, tmp_path: Path) -> None:
     assert {k: v[2] for k, v in _tree(dest).items() if v[0] == "file"} == files
 
 
-def test_materialize_writes_only_inside_dest(store: Store, tmp_path: Path) -> None:
+def test_materialize_writes_only_inside_dest(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = _commit_bytes(store, {"a/b/c": b"c", "d": b"d"})
     dest = tmp_path / "dest"
     dest.mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
-    real_write = checkpoints_mod.Store._write_entries
+    real_write = checkpoints_mod.write_entries
 
-    def swap_in_symlink(self: Store, record: CheckpointRecord, entries: Any, tree: Any) -> None:
+    def swap_in_symlink(*args: Any) -> None:
         # a racing process replaces a directory with a symlink after the emptiness check
         (dest / "a").symlink_to(outside)
-        real_write(self, record, entries, tree)
+        real_write(*args)
 
-    checkpoints_mod.Store._write_entries = swap_in_symlink  # type: ignore[method-assign]
-    try:
-        with pytest.raises(FailedPrecondition, match="symlink"):
-            store.materialize(rec.id, dest)
-    finally:
-        checkpoints_mod.Store._write_entries = real_write  # type: ignore[method-assign]
+    monkeypatch.setattr(checkpoints_mod, "write_entries", swap_in_symlink)
+    with pytest.raises(FailedPrecondition, match="symlink"):
+        store.materialize(rec.id, dest)
+    monkeypatch.undo()
     assert list(outside.iterdir()) == []
     assert [p.name for p in dest.iterdir()] == ["a"] and (dest / "a").is_symlink()
 
@@ -1152,9 +1143,4 @@ def test_entries_have_file_entry_type(store: Store) -> None:
     assert all(isinstance(e, FileEntry) for e in rec.files)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-    assert leaked == []
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")

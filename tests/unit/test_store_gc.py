@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -304,9 +303,4 @@ def test_gc_racing_a_writer_process(store: Store) -> None:
     assert store.gc().removed_blobs == ()
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-    assert leaked == []
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")

@@ -7,7 +7,6 @@ import io
 import json
 import multiprocessing
 import os
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import Any
 import pytest
 
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from node_agent.store import CheckpointRecord, Descriptor, Store
+from node_agent.oci import Descriptor
+from node_agent.store import CheckpointRecord, Store
 from node_agent.store.manifest import CONFIG_MEDIA_TYPE, CREATED_ANNOTATION, canonical_json
 
 MiB = 1 << 20
@@ -239,9 +239,4 @@ def test_killed_import_leaves_only_garbage(src: Store, dst: Store) -> None:
     assert dst.recover().clean and os.listdir(dst.blobs.dir) == []
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-    assert leaked == []
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")

@@ -22,8 +22,8 @@ from criu_bridge.tarstream import (
     parse_pax,
     pax_int,
     pax_mtime_ns,
-    pax_record,
 )
+from criu_bridge.tarwrite import pax_record
 
 # ---------------------------------------------------------------------------
 # helpers

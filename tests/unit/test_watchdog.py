@@ -6,12 +6,12 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from conftest import wait_for
 from criu_bridge import freezer
 from criu_bridge import watchdog as wd
 from criu_bridge.freezer import Freezer, parse_proc_cgroup
@@ -43,10 +43,9 @@ def victim() -> Iterator[tuple[subprocess.Popen[bytes], Freezer]]:
         freezer.thaw(fz)
         proc.kill()
         proc.wait()
-        time.sleep(0.05)
+        # The kernel moves a reaped process out of its cgroup a moment later.
+        wait_for(lambda: not Path(path, "cgroup.procs").read_text().strip(), what="the cgroup emptied")
         os.rmdir(path)
-
-
 
 
 def test_freeze_and_thaw(victim: tuple[subprocess.Popen[bytes], Freezer]) -> None:
@@ -61,11 +60,8 @@ def test_watchdog_thaws_when_the_agent_goes_away(victim: tuple[subprocess.Popen[
     _, fz = victim
     armed = wd.arm([fz], max_freeze=60, log_path=str(tmp_path / "wd.log"))
     freezer.freeze(fz)
-    t0 = time.monotonic()
     armed.release()  # what the kernel does when the agent dies: EOF
-    while freezer.state(fz) != "THAWED":
-        assert time.monotonic() - t0 < 2, "not thawed within 2 s"
-        time.sleep(0.01)
+    wait_for(lambda: freezer.state(fz) == "THAWED", timeout=2, what="thawed when the agent went away")
     assert armed.wait(10) == 0
     assert "thawing" in (tmp_path / "wd.log").read_text()
 
@@ -74,8 +70,8 @@ def test_watchdog_thaws_after_the_freeze_limit(victim: tuple[subprocess.Popen[by
     _, fz = victim
     armed = wd.arm([fz], max_freeze=0.3, log_path=str(tmp_path / "wd.log"))
     freezer.freeze(fz)
-    time.sleep(1.0)
-    assert freezer.state(fz) == "THAWED"
+    wait_for(lambda: freezer.state(fz) == "THAWED", what="thawed at the freeze limit")
+    assert "the freeze limit passed" in (tmp_path / "wd.log").read_text()
     armed.release()
     assert armed.wait(10) == 0
 
@@ -94,17 +90,20 @@ def test_watchdog_outlives_a_refreezing_helper(victim: tuple[subprocess.Popen[by
     _, fz = victim
     armed = wd.arm([fz], max_freeze=60, log_path=str(tmp_path / "wd.log"))
     freezer.freeze(fz)
+    # The helper re-freezes the cgroup when told to, then ends.
     helper = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys,time; time.sleep(0.5); open(sys.argv[1],'w').write(sys.argv[2])",
-         fz.control, "FROZEN" if fz.version == 1 else "1"]
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); open(sys.argv[1],'w').write(sys.argv[2])",
+         fz.control, "FROZEN" if fz.version == 1 else "1"],
+        stdin=subprocess.PIPE,
     )
     armed.follow(helper.pid)
     armed.release()
-    helper.wait()
-    time.sleep(0.2)
-    assert freezer.state(fz) == "THAWED"
+    wait_for(lambda: freezer.state(fz) == "THAWED", what="thawed when the agent went away")
+    assert armed.proc.poll() is None, "the watchdog left while a helper it follows still runs"
+    helper.communicate(b"go\n", timeout=10)
+    wait_for(lambda: freezer.state(fz) == "THAWED", what="thawed again after the helper re-froze")
     assert armed.wait(10) == 0
+    assert "all thawed" in (tmp_path / "wd.log").read_text()
 
 
 def test_helper_process_tracking() -> None:
@@ -113,11 +112,12 @@ def test_helper_process_tracking() -> None:
         start = wd.proc_starttime(p.pid)
         assert start is not None and wd.alive(p.pid, start)
         tracked = {p.pid: start}
-        deadline = time.monotonic() + 5
-        while len(tracked) < 2 and time.monotonic() < deadline:
+
+        def child_found() -> bool:
             wd.descendants(tracked)
-            time.sleep(0.01)
-        assert len(tracked) == 2
+            return len(tracked) == 2
+
+        wait_for(child_found, timeout=5, what="the shell's child tracked")
     finally:
         p.kill()
         p.wait()

@@ -1,0 +1,258 @@
+"""``index.json``: which checkpoints are published, and loading what each one names.
+
+Rule: a checkpoint is listed only once its manifest is published in
+``index.json``, and it is published only after every blob it names is
+durable and verified (``publish`` checks them under the lock). The index
+changes only under the exclusive store lock, by an atomic, fsynced rewrite.
+Every id that comes in is validated before it is looked up, and every
+manifest and config blob is read bounded, hashed and decoded as hostile data
+each time a checkpoint is loaded. What fails to load is moved aside into
+``quarantine/``, never deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any, Final
+
+from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
+from node_agent.oci import EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, digest_hex
+from node_agent.store.blobs import BlobStore, fsync_dir, read_bounded, replace_file, store_lock, write_new_file
+from node_agent.store.manifest import (
+    MAX_CONFIG_BYTES,
+    MAX_INDEX_BYTES,
+    CheckpointConfig,
+    CheckpointManifest,
+    check_manifest_matches,
+    decode_config,
+    decode_index,
+    decode_manifest,
+    encode_index,
+    index_entry,
+    is_checkpoint_entry,
+    oci_layout,
+)
+from node_agent.store.records import CheckpointRecord, created_epoch
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME: Final = "index.json"
+LAYOUT_NAME: Final = "oci-layout"
+MIN_PREFIX_LEN: Final = 6
+_ID_RE: Final = re.compile(r"[0-9a-f]{6,64}")
+
+
+def checkpoint_ids(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The ids of the checkpoint records among index entries, in index order."""
+    return [e["digest"] for e in entries if is_checkpoint_entry(e)]
+
+
+class Index:
+    """The store's ``index.json`` and ``oci-layout``, and the checkpoint records they lead to.
+
+    ``scratch_dir`` (the store's ``ingest/``) takes the temporary files of
+    atomic rewrites; ``lock_path`` is the store-wide lock; unloadable
+    records and an unreadable index go to ``quarantine_dir``.
+    """
+
+    def __init__(self, root: str, blobs: BlobStore, *, scratch_dir: str, lock_path: str, quarantine_dir: str) -> None:
+        self.root = root
+        self.blobs = blobs
+        self.scratch_dir = scratch_dir
+        self.lock_path = lock_path
+        self.quarantine_dir = quarantine_dir
+        self.path = os.path.join(root, INDEX_NAME)
+        self.layout_path = os.path.join(root, LAYOUT_NAME)
+
+    def setup(self) -> None:
+        """Write ``oci-layout`` and an empty ``index.json`` where they are missing."""
+        if os.path.lexists(self.layout_path) and os.path.lexists(self.path):
+            return
+        with self.locked(exclusive=True):
+            if not os.path.lexists(self.layout_path):
+                self.replace_file(self.layout_path, oci_layout())
+            if not os.path.lexists(self.path):
+                self.write([])
+
+    def locked(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """The store lock: shared for writers' short steps, exclusive to change the index or delete blobs."""
+        return store_lock(self.lock_path, exclusive=exclusive)
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        """Atomically replace a file of the store (fsync the file, rename, fsync its directory)."""
+        replace_file(path, data, scratch_dir=self.scratch_dir)
+
+    # -- the records -------------------------------------------------------------------------
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every index.json record (validated); DataLoss when the index is unreadable."""
+        try:
+            data = read_bounded(self.path, MAX_INDEX_BYTES)
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            raise DataLoss(f"store index {self.path}: {exc}") from exc
+        return decode_index(data, error=DataLoss, what=f"store index {self.path}")
+
+    def write(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Rewrite index.json (call under the exclusive store lock)."""
+        self.replace_file(self.path, encode_index(entries))
+
+    def ids(self) -> list[str]:
+        """The ids of every published checkpoint, in index order."""
+        return checkpoint_ids(self.read())
+
+    def publish(self, entry: Mapping[str, Any], required: Mapping[str, int]) -> None:
+        """Add a manifest's record once every blob in ``required`` (digest: size) is present: the commit point.
+
+        Publishing a manifest that is listed already changes nothing.
+        """
+        with self.locked(exclusive=True):
+            for digest, size in required.items():
+                found = self.blobs.size_of(digest)
+                if found != size:
+                    raise DataLoss(
+                        f"checkpoint {entry['digest']}: blob {digest} "
+                        f"{'vanished' if found is None else 'changed size'} before publish"
+                    )
+            entries = self.read()
+            if any(e["digest"] == entry["digest"] for e in entries):
+                return
+            entries.append(dict(entry))
+            self.write(entries)
+
+    def resolve(self, checkpoint_id: str, within: Callable[[CheckpointRecord], bool] | None = None) -> str:
+        """Full id for ``sha256:<hex>`` or a unique hex prefix of at least 6 characters.
+
+        `within`: only checkpoints it accepts exist for this call (an
+        authorization scope): the others are neither found nor counted.
+        """
+        if not isinstance(checkpoint_id, str):
+            raise InvalidArgument(f"malformed checkpoint id {checkpoint_id!r}")
+        text = checkpoint_id.lower()
+        if text.startswith("sha256:"):
+            text = text[len("sha256:") :]
+        if not _ID_RE.fullmatch(text):
+            raise InvalidArgument(
+                f"malformed checkpoint id {checkpoint_id!r}: want sha256:<hex> or at least {MIN_PREFIX_LEN} hex characters"
+            )
+        matches = sorted({d for d in self.ids() if d[len("sha256:") :].startswith(text)})
+        if within is not None:
+            matches = [d for d in matches if self._accepts(d, within)]
+        if not matches:
+            if len(text) == 64:
+                raise NotFound(f"checkpoint sha256:{text} not found")
+            raise NotFound(f"no checkpoint matches {checkpoint_id!r}")
+        if len(matches) > 1:
+            shown = ", ".join(d[len("sha256:") :][:12] for d in matches[:5])
+            raise InvalidArgument(f"checkpoint id {checkpoint_id!r} is ambiguous ({len(matches)} matches: {shown})")
+        return matches[0]
+
+    def _accepts(self, cid: str, within: Callable[[CheckpointRecord], bool]) -> bool:
+        try:
+            return within(self.load(cid))
+        except AgentError:
+            return False
+
+    # -- loading checkpoints -----------------------------------------------------------------
+
+    def documents(self, cid: str) -> tuple[bytes, CheckpointManifest, CheckpointConfig]:
+        """Read and validate a checkpoint's manifest and config blobs (published or not); DataLoss if they fail."""
+        path = self.blobs.path(cid)
+        try:
+            data = read_bounded(path, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise DataLoss(f"checkpoint {cid}: manifest blob {path} is missing") from None
+        except ValueError as exc:
+            raise DataLoss(f"checkpoint {cid}: manifest {path}: {exc}") from exc
+        except OSError as exc:
+            raise DataLoss(f"checkpoint {cid}: manifest {path} unreadable: {exc.strerror}") from exc
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != cid:
+            raise DataLoss(f"checkpoint {cid}: manifest {path} content hashes to {actual}")
+        manifest = decode_manifest(data, error=DataLoss, what=f"checkpoint {cid}: manifest {path}")
+        desc = manifest.config
+        if desc.size > MAX_CONFIG_BYTES:
+            raise DataLoss(f"checkpoint {cid}: config blob of {desc.size} bytes exceeds the limit")
+        try:
+            config_bytes = self.blobs.read(desc.digest, desc.size)
+        except DataLoss as exc:
+            raise DataLoss(f"checkpoint {cid}: config {exc}") from exc
+        what = f"checkpoint {cid}: config blob {desc.digest}"
+        config = decode_config(config_bytes, error=DataLoss, what=what)
+        check_manifest_matches(manifest, config, error=DataLoss, what=f"checkpoint {cid}: manifest {path}")
+        return data, manifest, config
+
+    def load(self, cid: str) -> CheckpointRecord:
+        """The record of the checkpoint whose full id is ``cid``, loaded and validated."""
+        _, manifest, config = self.documents(cid)
+        return self.record(cid, manifest, config)
+
+    def record(self, manifest_digest: str, manifest: CheckpointManifest, config: CheckpointConfig) -> CheckpointRecord:
+        """The record of validated documents (a writer's or an importer's, or ones just loaded)."""
+        return CheckpointRecord(
+            id=manifest_digest,
+            created=manifest.created,
+            metadata=MappingProxyType(dict(config.metadata)),
+            files=config.files,
+            size=sum(e.size for e in config.files),
+            stored_size=sum(layer.size for layer in manifest.layers if layer != EMPTY_DESCRIPTOR),
+            manifest_path=self.blobs.path(manifest_digest),
+            annotations=manifest.annotations,
+        )
+
+    # -- quarantine and rebuilding (exclusive lock held) -------------------------------------
+
+    def quarantine_index(self, reason: str) -> None:
+        """Move an unreadable index.json aside into the quarantine."""
+        self._quarantine(INDEX_NAME, None, reason)
+
+    def quarantine_entry(self, entry: Mapping[str, Any], reason: str) -> None:
+        """Keep an unloadable checkpoint's index record and manifest bytes under ``quarantine/``.
+
+        Their blobs stay reachable from there (see ``gc``).
+        """
+        parts = [json.dumps(dict(entry), sort_keys=True).encode()]
+        with contextlib.suppress(OSError, ValueError, InvalidArgument):
+            parts.append(read_bounded(self.blobs.path(entry["digest"]), MAX_MANIFEST_BYTES))
+        self._quarantine(digest_hex(entry["digest"]) + ".json", b"\n".join(parts) + b"\n", reason)
+
+    def _quarantine(self, name: str, data: bytes | None, reason: str) -> None:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        target = os.path.join(self.quarantine_dir, f"{name}.{stamp}.{secrets.token_hex(4)}")
+        if data is None:
+            os.rename(self.path, target)
+        else:
+            write_new_file(target, data, sync=True)
+        fsync_dir(self.quarantine_dir)
+        log.error("quarantined %s as %s: %s", name, target, reason)
+
+    def rebuild(self) -> list[dict[str, Any]]:
+        """Index records for every loadable checkpoint manifest among the blobs, oldest first."""
+        found: list[tuple[float, str, dict[str, Any]]] = []
+        for digest, entry in self.blobs.digests():
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+                    continue
+                with open(entry.path, "rb") as fh:
+                    if fh.read(1) != b"{":
+                        continue
+                data, manifest, _ = self.documents(digest)
+            except (OSError, AgentError):
+                continue
+            found.append(
+                (created_epoch(manifest.created), digest, index_entry(digest, len(data), manifest.annotations))
+            )
+        found.sort(key=lambda item: (item[0], item[1]))
+        return [item[2] for item in found]
