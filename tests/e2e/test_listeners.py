@@ -10,9 +10,7 @@ import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
-import textwrap
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
+from tests.socket_probe import probe
 from tests.e2e.bed import NODE_AGENT, SHELL_COUNTER, Bed, container_config, make_pod, remove_pod
 from tests.pki import Leaf, Pki
 
@@ -172,25 +171,6 @@ def test_a_renewed_certificate_is_served_without_a_restart(listening: Listening)
     assert after != before
     assert after == hashlib.sha256(ssl.PEM_cert_to_DER_cert(Path(renewed.cert).read_text())).hexdigest()
     assert listening.bed.agent is not None and listening.bed.agent.pid == pid and listening.bed.agent.poll() is None
-
-
-PROBE = textwrap.dedent("""
-    import sys, grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    try:
-        with grpc.insecure_channel("unix://" + sys.argv[1]) as ch:
-            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        print("OK")
-    except grpc.RpcError as exc:
-        print(exc.code().name, exc.details())
-""")
-
-
-def probe(sock: str, *setpriv: str) -> str:
-    cp = subprocess.run(["setpriv", *setpriv, sys.executable, "-c", PROBE, sock],
-                        capture_output=True, text=True, timeout=60, cwd="/")
-    assert cp.returncode == 0, cp.stderr
-    return cp.stdout.strip()
 
 
 def test_the_local_socket_refuses_a_peer_outside_the_group(listening: Listening) -> None:

@@ -13,7 +13,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
@@ -37,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
+from tests.socket_probe import probe  # noqa: E402
 from tests.pki import Leaf, Pki  # noqa: E402
 
 # ---- the policy ----------------------------------------------------------------------
@@ -343,24 +343,6 @@ async def test_a_renewed_certificate_is_picked_up_without_a_restart(agent: Agent
 
 
 # ---- the local socket ------------------------------------------------------------------
-
-PROBE = textwrap.dedent("""
-    import sys, grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    try:
-        with grpc.insecure_channel("unix://" + sys.argv[1]) as ch:
-            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        print("OK")
-    except grpc.RpcError as exc:
-        print(exc.code().name, exc.details())
-""")
-
-
-def probe(sock: str, *setpriv: str) -> str:
-    cmd = ["setpriv", *setpriv, sys.executable, "-c", PROBE, sock] if setpriv else [sys.executable, "-c", PROBE, sock]
-    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
-    assert cp.returncode == 0, cp.stderr
-    return cp.stdout.strip()
 
 
 @pytest.fixture
