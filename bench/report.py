@@ -25,6 +25,12 @@ SCHEMA = 2
 RSS_LIMIT_MIB = 200
 # Against containerd's own CRI checkpoint and restore (bench/native.py), at the native target size.
 NATIVE_LIMITS = {"native_durable": 0.5, "native_frozen": 0.15, "native_restore": 0.5}
+# Time to first answer of the model server (bench/firstanswer.py): the sizes its targets are judged at
+# (or the smallest and, from 1024 MiB, the largest measured) and their limits.
+ANSWER_SMALL_MIB, ANSWER_LARGE_MIB = 256, 2048
+ANSWER_LIMITS = {"answer_first_s": 0.75, "answer_running": 1.25, "answer_cold": 0.3, "answer_replicas": 1.5,
+                 "answer_large_local": 1.0, "answer_large_cold": 0.3}
+ANSWER_PATHS = ("cold", "local", "default", "full")
 
 
 def _median(xs: list[Any]) -> float | None:
@@ -53,7 +59,7 @@ def _read(path: str) -> str:
 
 def _fstype(path: str) -> str:
     """The filesystem type of the mount ``path`` lies on."""
-    from node_agent.cli.doctor import mount_of, mounts
+    from node_agent.cli.checks import mount_of, mounts
 
     found = mount_of(path, mounts())
     return found.fstype if found is not None else "unknown"
@@ -242,7 +248,103 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         out["native_skipped"] = nat["skipped"]
     elif nat:
         out["native"] = _native_summary(nat)
+    ans = results.get("answer")
+    if ans and ans.get("skipped"):
+        out["answer_skipped"] = ans["skipped"]
+    elif ans:
+        out["answer"] = _answer_summary(ans)
     return out
+
+
+def _answer_summary(ans: dict[str, Any]) -> dict[str, Any]:
+    """Medians per weights size of the time to first answer (bench/firstanswer.py)."""
+    out: dict[str, Any] = {}
+    for mib, one in ans.get("sizes", {}).items():
+        ss = one.get("samples", [])
+
+        def col(path: str, key: str) -> float | None:
+            return _median([s[path].get(key) for s in ss if path in s])
+
+        def per_run(path: str) -> float | None:
+            return _median([s[path]["answer_s"] / s[path]["running_s"] for s in ss
+                            if path in s and s[path].get("running_s")])
+
+        row: dict[str, Any] = {"runs": len(ss), "weights_bytes": one.get("weights_bytes"),
+                               "cli_startup_ms": (one.get("cli") or {}).get("startup_ms")}
+        for path in ANSWER_PATHS:
+            row[f"{path}_running_s"] = col(path, "running_s")
+            row[f"{path}_answer_s"] = col(path, "answer_s")
+        for path in ("default", "full"):
+            row[f"{path}_all_in_s"] = col(path, "all_in_s")
+            row[f"{path}_answer_over_running"] = per_run(path)
+        lazy = [s["default"].get("lazy") for s in ss if "default" in s]
+        row["default_lazy"] = all(lazy) if lazy and None not in lazy else None
+        for key in ("ready_s", "load_s", "warmup_s", "sandbox_s"):
+            row[f"cold_{key}"] = col("cold", key)
+        for key in ("sandbox_s", "devshm_s", "create_s", "start_call_s"):
+            row[f"local_{key}"] = col("local", key)
+        reps = one.get("replicas") or []
+        if reps:
+            answers = [r["answer_s"] for r in reps]
+            row["replicas"] = {
+                "count": len(reps), "answer_s_first": answers[0], "answer_s_median": _median(answers),
+                "answer_s_max": max(answers), "running_s_max": max(r["running_s"] for r in reps),
+                "running_s_median": _median([r["running_s"] for r in reps]),
+                "slowest_over_first": _div(max(answers), answers[0]),
+            }
+        out[mib] = row
+    return out
+
+
+def answer_sizes(summary: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The weights sizes (MiB, as keys) the first-answer targets are judged at: the small one
+    (256 MiB, else the smallest) and the large one (2048 MiB, else the largest from 1024 MiB on)."""
+    sizes = sorted(summary.get("answer") or {}, key=int)
+    if not sizes:
+        return None, None
+    small = str(ANSWER_SMALL_MIB) if str(ANSWER_SMALL_MIB) in sizes else sizes[0]
+    large = str(ANSWER_LARGE_MIB) if str(ANSWER_LARGE_MIB) in sizes else sizes[-1]
+    if large == small or int(large) < 1024:
+        large = None
+    return small, large
+
+
+def answer_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    small, large = answer_sizes(summary)
+    t: list[dict[str, Any]] = []
+    if small is not None:
+        a = summary["answer"][small]
+        lim = ANSWER_LIMITS["answer_first_s"]
+        t.append(_target(
+            "answer_first", f"model server {small} MiB: first answer, default restore",
+            _s(a.get("default_answer_s")), _div(a.get("default_answer_s"), lim), 1.0, unit=f"of {lim:g} s"))
+        t.append(_target(
+            "answer_running", f"model server {small} MiB: first answer / the same restore's time until running, "
+                              "default restore",
+            f"{_s(a.get('default_answer_s'))} vs {_s(a.get('default_running_s'))} (median of each run's ratio)",
+            a.get("default_answer_over_running"), ANSWER_LIMITS["answer_running"]))
+        t.append(_target(
+            "answer_cold", f"model server {small} MiB: first answer, default restore / cold start",
+            f"{_s(a.get('default_answer_s'))} vs {_s(a.get('cold_answer_s'))}",
+            _div(a.get("default_answer_s"), a.get("cold_answer_s")), ANSWER_LIMITS["answer_cold"]))
+        r = a.get("replicas")
+        if r:
+            t.append(_target(
+                "answer_replicas", f"model server {small} MiB: {r['count']} replicas one after another, slowest "
+                                   "first answer / the first's",
+                f"{_s(r['answer_s_max'])} vs {_s(r['answer_s_first'])}", r.get("slowest_over_first"),
+                ANSWER_LIMITS["answer_replicas"]))
+    if large is not None:
+        a = summary["answer"][large]
+        t.append(_target(
+            "answer_large_local", f"model server {large} MiB: first answer, default restore / local plan's",
+            f"{_s(a.get('default_answer_s'))} vs {_s(a.get('local_answer_s'))}",
+            _div(a.get("default_answer_s"), a.get("local_answer_s")), ANSWER_LIMITS["answer_large_local"]))
+        t.append(_target(
+            "answer_large_cold", f"model server {large} MiB: first answer, default restore / cold start",
+            f"{_s(a.get('default_answer_s'))} vs {_s(a.get('cold_answer_s'))}",
+            _div(a.get("default_answer_s"), a.get("cold_answer_s")), ANSWER_LIMITS["answer_large_cold"]))
+    return t
 
 
 def _native_summary(native: dict[str, Any]) -> dict[str, Any]:
@@ -405,6 +507,9 @@ def build(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, 
     nsizes = list(getattr(args, "native_sizes", None) or [])
     native_mib = (1024 if 1024 in nsizes else max(nsizes)) if nsizes else None
     summary = summarize(results)
+    answer_only = bool(getattr(args, "answer_only", False))
+    ts = [] if answer_only else targets(summary, target_mib, native_mib)
+    ts += answer_targets(summary)
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -414,10 +519,13 @@ def build(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, 
             "quick": bool(args.quick), "settle_s": args.settle, "bed": args.bed, "attached": bool(args.attach),
             "target_mib": target_mib, "tick_ms": 5, "note": args.note, "warmup": args.warmup,
             "native_sizes_mib": nsizes if "native" in summary else [], "native_target_mib": native_mib,
+            "answer_sizes_mib": sorted((int(k) for k in summary.get("answer") or {})),
+            "answer_runs": getattr(args, "answer_runs", None), "answer_large_runs": getattr(args, "answer_large_runs", None),
+            "answer_replicas": getattr(args, "answer_replicas", None), "answer_only": answer_only,
         },
         "samples": results,
         "summary": summary,
-        "targets": targets(summary, target_mib, native_mib),
+        "targets": ts,
     }
 
 
@@ -555,6 +663,50 @@ def _tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]
             ["workload", "agent lazy: running", "agent lazy: StartContainer", "agent lazy: first tick",
              "agent lazy: all pages in", "containerd: running", "containerd: sandbox",
              "containerd: CreateContainer", "containerd: StartContainer", "containerd: first tick"],
+            rows,
+        ))
+    out += _answer_tables(s)
+    # A run of the first-answer table alone (--answer-only) measured none of the others.
+    if doc["config"].get("answer_only"):
+        out = [t for t in out if t[2]]
+    return out
+
+
+def _answer_tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    ans = s.get("answer") or {}
+    if not ans:
+        return []
+    out: list[tuple[str, list[str], list[list[str]]]] = []
+    rows = []
+    for mib in sorted(ans, key=int):
+        x = ans[mib]
+        lazy = {True: " (lazy)", False: " (full)"}.get(x.get("default_lazy"), "")
+        rows.append([
+            f"{mib} MiB", str(x["runs"]), _s(x["cold_answer_s"]), _s(x.get("cold_ready_s")),
+            _s(x["local_running_s"]), _s(x["local_answer_s"]),
+            _s(x["default_running_s"]), _s(x["default_answer_s"]) + lazy, _s(x.get("default_all_in_s")),
+            _s(x["full_running_s"]), _s(x["full_answer_s"]), _ms(x.get("cli_startup_ms")),
+        ])
+    out.append((
+        "Time to first answer, model server: from the restore request reaching the agent (cold and local plan: "
+        "from RunPodSandbox), CLI start-up not included (medians)",
+        ["weights", "runs", "cold: first answer", "cold: server's own start-up", "local plan: running",
+         "local plan: first answer", "default: running", "default: first answer", "default: all pages in",
+         "full: running", "full: first answer", "CLI start-up (not included)"],
+        rows,
+    ))
+    rows = []
+    for mib in sorted(ans, key=int):
+        r = ans[mib].get("replicas")
+        if r:
+            rows.append([f"{mib} MiB", str(r["count"]), _s(r["answer_s_first"]), _s(r["answer_s_median"]),
+                         _s(r["answer_s_max"]), "-" if r.get("slowest_over_first") is None
+                         else f"{r['slowest_over_first']:.2f}x", _s(r["running_s_median"]), _s(r["running_s_max"])])
+    if rows:
+        out.append((
+            "Model server replicas of one checkpoint, default restore, one after another, all kept running",
+            ["weights", "replicas", "first answer: the first", "first answer: median", "first answer: slowest",
+             "slowest / first", "running: median", "running: slowest"],
             rows,
         ))
     return out
@@ -731,6 +883,70 @@ the archive's path as `config.image.image` (`bench/native.py`).
   first tick the restored process wrote (its stamp in the new container's
   CRI log; containerd's restore copies the source's log into it first, so only
   ticks stamped after the restore started count).
+
+### Time to first answer (the model server)
+
+`bench/firstanswer.py`. The workload is the Debian test image's model server
+(`scripts/testbed_images/modelserver.py`, run as `modelserver --weights
+/opt/model/weights.npy --port 8080 --shm-mib 16`): a threaded Python HTTP
+server that reads N MiB of seeded random float32 weights (a file in the image,
+`scripts/testbed up --model-mib N`; one bed image per size, the bed brought up
+again between sizes) fully into memory, runs one warm-up pass over them,
+fills a 16 MiB cache file in the pod's `/dev/shm` and holds it open, and then
+answers `GET /predict?x=N` with a pass over every weight. For each size one
+source pod is started, asked a few times, checkpointed by the agent and
+removed; then the four paths below take turns in every run (after
+`--warmup` untimed rounds), with `sync` and a pause between operations.
+
+- **One starting point.** Every column is timed in the benchmark process
+  from the moment it sends the first request of its path, with every
+  connection it uses already open: the agent's `Restore` over the agent's
+  local socket, as `node-agent restore` sends it (`node_agent.cli.client`),
+  so the request reaches the agent at once; for the CRI paths,
+  `RunPodSandbox`. The CLI's own start-up (Python, its imports, the
+  connection) is therefore not in any column. It is measured on its own as
+  the wall time of `node-agent checkpoints inspect ID` as a process less the
+  same call over an open connection (median of 5), and shown beside the
+  table ("CLI start-up"): add it to a column for what a user at a shell
+  sees.
+- **First answer.** Once the path's call has returned, the new pod's IP is
+  taken from `PodSandboxStatus` (every path asks the same way), then
+  `GET /predict?x=7` is sent to port 8080 every 5 ms until one returns
+  200; the time of that answer is "first answer". Every answer is checked: a
+  restored replica must report the source's own start time (`started`),
+  pid, weights digest and request count going on, and give the source's
+  answer for the same x; a cold start must have the same weights digest.
+- **Running.** Until the path's call returns: the agent's `Restore` with
+  start (StartContainer included), or the CRI `StartContainer` call.
+  "first answer / running" is the median of each run's own ratio.
+- **Cold.** A new pod running the server from the image, with the node's
+  default runtime: `RunPodSandbox`, `CreateContainer`, `StartContainer`,
+  then the server's own start-up (reading the weights, the warm-up pass,
+  the cache file; its ready line on stdout gives that part alone: "server's
+  own start-up") and the first answer.
+- **Local plan.** As in the restore table: the restore plan the agent writes
+  for the same checkpoint, copied once to a local directory with what the
+  restore put into the new sandbox's `/dev/shm`; for each run a private copy
+  is made (untimed), then, timed: `RunPodSandbox` with the agent's runtime
+  handler, the `/dev/shm` files copied into the new sandbox's tmpfs,
+  `CreateContainer`, the plan renamed into place, `StartContainer` (`runc
+  restore` from local disk, no store read, no verification).
+- **Default and full.** The agent's `Restore` with start and no lazy option
+  (what `node-agent restore ID --start` sends: lazy where CRIU and the
+  kernel allow it; the table marks what the plans said), and with
+  `lazy=false` (`--full`). After a lazy restore's first answer the bench
+  waits, untimed for the answer, until the agent records that every page is
+  in ("all pages in", from the same starting point), so no transfer is
+  still running when the next operation starts.
+- **Page cache.** Before each restore the data it starts from is read once
+  (the store for the agent, the local plan for the baseline); the cold
+  start reads the image's weights file, in the page cache after the first
+  round.
+- **Replicas.** At the smallest size, after the runs: N restores with the
+  agent's default, one after another, each started when the one before has
+  answered, all kept running (their transfers going on) until the last has
+  answered. The target compares the slowest first answer with the first
+  replica's.
 """
 
 READING = """\
@@ -844,6 +1060,11 @@ def _machine_rows(doc: dict[str, Any]) -> list[list[str]]:
             f"{', '.join(str(x) for x in c['sizes_mib'])} MiB; pair {c['pair_mib']} MiB x 2; repeat {c['repeat_mib']} MiB")
     if c.get("native_sizes_mib"):
         runs += f"; against containerd's own path {', '.join(str(x) for x in c['native_sizes_mib'])} MiB"
+    if c.get("answer_sizes_mib"):
+        answer = (f"first answer {', '.join(str(x) for x in c['answer_sizes_mib'])} MiB of weights "
+                  f"({c.get('answer_runs')} runs below 1024 MiB, {c.get('answer_large_runs')} from 1024 MiB on, "
+                  f"{c.get('answer_replicas')} replicas)")
+        runs = f"{answer}, the others not measured (--answer-only)" if c.get("answer_only") else f"{runs}; {answer}"
     return [
         ["date", doc["date"]],
         ["CPU", f"{m['cores']} cores, {m['cpu']}"],
@@ -884,7 +1105,8 @@ def markdown(merged: dict[str, Any]) -> str:
         "again rather than editing this file.\n\n",
         "    .venv/bin/python bench/run.py [--containerd PATH] [--sizes 64,256,1024] [--runs 5] \\\n"
         "        [--pair 512] [--repeat-mib 256] [--native-sizes 256,1024] [--no-native] [--warmup 1] \\\n"
-        "        [--out bench/results.json] [--write-docs] [--note TEXT] [--quick] [--keep]\n\n",
+        "        [--answer-sizes 256,2048] [--answer-runs N] [--answer-large-runs 1] [--answer-replicas 10] \\\n"
+        "        [--no-answer] [--out bench/results.json] [--write-docs] [--note TEXT] [--quick] [--keep]\n\n",
         "As root, on a machine prepared with `scripts/setup`. It brings up its own test\n"
         "bed (`--bed`, or `NODE_AGENT_BENCH_BED`, default `na-bench`) on the containerd\n"
         "binary `--containerd` (default 2.1, `/opt/node-agent/containerd-2/bin/containerd`;\n"
@@ -892,8 +1114,9 @@ def markdown(merged: dict[str, Any]) -> str:
         "every raw sample to `--out`, and removes everything it created. One run\n"
         "measures one containerd; `--out` keeps the latest run of every containerd\n"
         "version, and `--write-docs` writes all of them here. `--quick` is a smoke run\n"
-        "of about twenty seconds (16 MiB, one run each). Targets are judged at 1 GiB\n"
-        "(or the largest `--sizes`, `--native-sizes`) unless stated.\n\n",
+        "(16 MiB, a model server of 64 MiB, one run each). Targets are judged at 1 GiB\n"
+        "(or the largest `--sizes`, `--native-sizes`) unless stated; the model server's\n"
+        "at 256 MiB and 2 GiB of weights (or the smallest and largest `--answer-sizes`).\n\n",
         "## Latest results\n\n",
     ]
     for d in docs:
@@ -936,6 +1159,8 @@ def markdown(merged: dict[str, Any]) -> str:
         if d["summary"].get("native_skipped"):
             parts.append(f"\nAgainst containerd's own checkpoint and restore: not measured "
                          f"({d['summary']['native_skipped']}).\n")
+        if d["summary"].get("answer_skipped"):
+            parts.append(f"\nTime to first answer: not measured ({d['summary']['answer_skipped']}).\n")
     parts.append("\n" + READING)
     parts.append("\n" + METHOD)
     return "".join(parts)

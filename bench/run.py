@@ -6,6 +6,8 @@
                                   [--write-docs] [--note TEXT] [--quick] [--keep]
                                   [--bed NAME] [--attach AGENT_CONFIG] [--containerd PATH]
                                   [--native-sizes 256,1024] [--no-native] [--docs-only]
+                                  [--answer-sizes 256,2048] [--answer-runs N] [--answer-large-runs N]
+                                  [--answer-replicas N] [--no-answer] [--answer-only]
 
 As root. It brings up a test bed (scripts/testbed, name from --bed or
 NODE_AGENT_BENCH_BED, default na-bench) on the containerd binary --containerd
@@ -26,7 +28,14 @@ memhog (a process holding N MiB of live memory and printing `tick N` every
     the agent's peak RSS during the largest checkpoint;
   * on containerd 2.x, against containerd's own CRI path (bench/native.py):
     CheckpointContainer into an archive, and the restore of that archive
-    through CreateContainer in a fresh sandbox, on fresh random memory.
+    through CreateContainer in a fresh sandbox, on fresh random memory;
+  * time to first answer (bench/firstanswer.py): a numpy model server from
+    the bed's Debian image (weights of --answer-sizes MiB, one bed image per
+    size) restored with the agent's default and with --full, against the
+    same plan from local disk and a cold start, each until its first answer
+    over HTTP, timed from the moment the request reaches the agent (or
+    RunPodSandbox), the CLI's start-up excluded and measured on its own; at
+    the smallest size also N replicas one after another, all kept running.
 
 It prints the tables, writes every raw sample as JSON (--out, which keeps the
 latest run of every other containerd version too) and, with --write-docs,
@@ -59,7 +68,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import crilog, native, report  # noqa: E402
+from bench import crilog, firstanswer, native, report  # noqa: E402
 from node_agent.config import load as load_settings  # noqa: E402
 from node_agent.cri import CriClient  # noqa: E402
 from tests.e2e.bed import CONTAINERD2, NODE_AGENT, Bed, bring_up, container_config, pod_config, testbed  # noqa: E402
@@ -68,6 +77,7 @@ T = TypeVar("T")
 FAST_TICK_MS = 5
 NS_SRC, NS_RESTORE, NS_STAGE = "bench", "bench-r", "bench-stage"
 MARKER = ".node-agent-bench"
+MODEL_MIB_ENV = "NODE_AGENT_MODEL_MIB"  # scripts/testbed up --model-mib
 
 
 def log(msg: str) -> None:
@@ -296,10 +306,10 @@ class Bench:
         if self.own_bed:
             log(f"test bed {self.args.bed} (scripts/testbed up), work dir {self.work}")
             self.bed_started = True
+            if self.args.answer_sizes:
+                self._model_env(self.args.answer_sizes[0])
             self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd)
-            # The same agent as a node runs, without debug logging.
-            cfg = Path(self.bed.config)
-            cfg.write_text(cfg.read_text().replace("log-level: debug", "log-level: info"))
+            self._quiet_agent()
             self.bed.start_agent()
         else:
             settings = load_settings(self.args.attach)
@@ -317,6 +327,28 @@ class Bench:
         self.handler = settings.runtime_handler
         self.ctrd_log = crilog.ContainerdLog(self.b.info["containerd_log"])
         (self.work / "bare").mkdir(exist_ok=True)
+
+    def _model_env(self, mib: int) -> None:
+        """The weights of the Debian image's model server the next `scripts/testbed up` builds."""
+        os.environ[MODEL_MIB_ENV] = str(mib)
+
+    def _quiet_agent(self) -> None:
+        """The same agent as a node runs, without debug logging."""
+        cfg = Path(self.b.config)
+        cfg.write_text(cfg.read_text().replace("log-level: debug", "log-level: info"))
+
+    def model_bed(self, mib: int) -> None:
+        """Brings the own bed up again with a model image of `mib` MiB of weights, unless it has one.
+        Nothing of the runs before is left on it by then (pods and checkpoints are removed as they go)."""
+        if not self.own_bed or self.b.info.get("model_mib") == mib:
+            return
+        log(f"test bed {self.args.bed} again, with {mib} MiB of model weights in its image")
+        self.b.stop_agent()
+        self._model_env(mib)
+        self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd)
+        self._quiet_agent()
+        self.bed.start_agent()
+        self.ctrd_log = crilog.ContainerdLog(self.b.info["containerd_log"])
 
     def cleanup(self) -> None:
         errors: list[str] = []
@@ -338,6 +370,7 @@ class Bench:
         if self.work_claimed:
             shutil.rmtree(self.work / "bare", ignore_errors=True)
             shutil.rmtree(self.work / "restore-src", ignore_errors=True)
+            shutil.rmtree(self.work / "answer-src", ignore_errors=True)
         if self.own_bed and self.bed is not None:
             self.bed.stop_agent()
         if self.own_bed and self.bed_started and not self.args.keep:
@@ -593,9 +626,11 @@ class Bench:
                 "tick_gap_max_ms": round(gaps[-1] * 1000, 1) if gaps else None,
                 "tick_gap_median_ms": round(gaps[len(gaps) // 2] * 1000, 1) if gaps else None}
 
-    def stage_plan(self, ckpt: str, dest: Path) -> None:
+    def stage_plan(self, ckpt: str, dest: Path, devshm_dest: Path | None = None) -> None:
         """The restore plan the agent writes for this checkpoint's (only)
-        container, copied to `dest`: a restore without --start, then the plan."""
+        container, copied to `dest`: a restore without --start, then the plan.
+        With `devshm_dest`, also what the restore put into the new sandbox's
+        /dev/shm (the pod's own tmpfs, which is not part of the plan)."""
         name = f"stage-{secrets.token_hex(3)}"
         cp, _, _, _ = self.cli("restore", ckpt, "--namespace", NS_STAGE, "--name", name, "--full", "-o", "json")
         res = json.loads(cp.stdout)
@@ -608,17 +643,21 @@ class Bench:
             src = os.path.join(self.plans_dir, cids[0])
             shutil.copytree(src, dest, symlinks=True,
                             ignore=shutil.ignore_patterns("work", "restored", "failed", "*.tmp"))
+            if devshm_dest is not None:
+                from node_agent import devshm
+
+                shm = devshm.shm_source(self.cri(lambda cri: cri.pod_status(pod_id)).spec)
+                if not shm or not os.path.isdir(shm):
+                    raise BenchError(f"cannot find the /dev/shm of the staged sandbox {pod_id[:13]}")
+                shutil.copytree(shm, devshm_dest, symlinks=True)
         finally:
             self.remove_pod(pod_id)
 
-    def bare_restore(self, src_plan: Path, ccfg: dict[str, Any], label: str) -> dict[str, Any]:
-        """The same plan, already unpacked on local disk, through the same
-        runtime handler by plain CRI calls: RunPodSandbox, CreateContainer,
-        the plan moved into place, StartContainer."""
+    def stage_bare_plan(self, src_plan: Path, ccfg: dict[str, Any], label: str) -> tuple[str, dict[str, Any], Path]:
+        """A new pod's name and config in NS_RESTORE, and a copy of `src_plan` made for it (untimed)."""
         name = f"b-{label}-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, NS_RESTORE, name)
-        cname = ccfg["metadata"]["name"]
-        os.makedirs(os.path.join(pcfg["log_directory"], cname), exist_ok=True)
+        os.makedirs(os.path.join(pcfg["log_directory"], ccfg["metadata"]["name"]), exist_ok=True)
         stage = self.work / "bare" / f"plan-{secrets.token_hex(4)}"
         copy_tree(src_plan, stage)
         plan_file = stage / "plan.json"
@@ -627,6 +666,13 @@ class Bench:
             if isinstance(plan, dict):
                 plan["pod"] = f"{NS_RESTORE}/{name}"
                 plan_file.write_text(json.dumps(plan))
+        return name, pcfg, stage
+
+    def bare_restore(self, src_plan: Path, ccfg: dict[str, Any], label: str) -> dict[str, Any]:
+        """The same plan, already unpacked on local disk, through the same
+        runtime handler by plain CRI calls: RunPodSandbox, CreateContainer,
+        the plan moved into place, StartContainer."""
+        name, pcfg, stage = self.stage_bare_plan(src_plan, ccfg, label)
         same_fs = os.stat(stage).st_dev == os.stat(self.plans_dir).st_dev
         warm(str(src_plan))
         times: dict[str, float] = {}
@@ -862,17 +908,26 @@ class Bench:
         started = time.time()
         # Other work on the machine shows here first: the load averages at the start and the end.
         self.results["loadavg"] = {"start": [round(x, 2) for x in os.getloadavg()]}
-        for mib in sizes:
-            self.single(mib, measure_rss=(mib == max(sizes)))
-        self.pair(self.args.pair)
-        self.repeat(self.args.repeat_mib)
-        why_not = native.unsupported(self.b.info) if not self.args.no_native else "--no-native"
-        if why_not:
-            log(f"against containerd's own checkpoint and restore: skipped ({why_not})")
-            self.results["native"] = {"skipped": why_not}
+        if not self.args.answer_only:
+            for mib in sizes:
+                self.single(mib, measure_rss=(mib == max(sizes)))
+            self.pair(self.args.pair)
+            self.repeat(self.args.repeat_mib)
+            why_not = native.unsupported(self.b.info) if not self.args.no_native else "--no-native"
+            if why_not:
+                log(f"against containerd's own checkpoint and restore: skipped ({why_not})")
+                self.results["native"] = {"skipped": why_not}
+            else:
+                self.native = native.Native(self, NS_RESTORE)
+                self.results["native"] = self.native.run(self.args.native_sizes)
+        if self.args.answer_sizes:
+            self.op_timeout = max(self.op_timeout, min(600.0, 120.0 + max(self.args.answer_sizes) * 0.4))
+            self.results["answer"] = firstanswer.FirstAnswer(self).run(self.args.answer_sizes)
+            skipped = self.results["answer"].get("skipped")
+            if skipped:
+                log(f"time to first answer: skipped ({skipped})")
         else:
-            self.native = native.Native(self, NS_RESTORE)
-            self.results["native"] = self.native.run(self.args.native_sizes)
+            self.results["answer"] = {"skipped": "--no-answer"}
         self.results["loadavg"]["end"] = [round(x, 2) for x in os.getloadavg()]
         self.results["elapsed_s"] = round(time.time() - started, 1)
         return self.results
@@ -908,14 +963,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="MiB of fresh random memory for the comparison with containerd's own CRI checkpoint "
                          "and restore (containerd 2.x; default 256,1024; --quick 16)")
     ap.add_argument("--no-native", action="store_true", help="skip the comparison with containerd's own path")
+    ap.add_argument("--answer-sizes", default="256,2048",
+                    help="MiB of model weights for the time-to-first-answer table, one bed image each (default "
+                         "256,2048; --quick 64; with --attach only the bed's own weights are measured)")
+    ap.add_argument("--answer-runs", type=int, default=None,
+                    help="interleaved first-answer runs below 1024 MiB of weights (default --runs)")
+    ap.add_argument("--answer-large-runs", type=int, default=1,
+                    help="interleaved first-answer runs at 1024 MiB of weights and more (default 1)")
+    ap.add_argument("--answer-replicas", type=int, default=None,
+                    help="replicas of the smallest model checkpoint restored one after another, all kept "
+                         "running (default 10; --quick 2)")
+    ap.add_argument("--no-answer", action="store_true", help="skip the time-to-first-answer table")
+    ap.add_argument("--answer-only", action="store_true", help="measure only the time-to-first-answer table")
     ap.add_argument("--docs-only", action="store_true",
                     help="measure nothing: rewrite docs/benchmarks.md from the runs in --out")
     args = ap.parse_args(argv)
     try:
         args.sizes = sorted({int(s) for s in str(args.sizes).split(",") if s.strip()})
         args.native_sizes = sorted({int(s) for s in str(args.native_sizes).split(",") if s.strip()})
+        args.answer_sizes = sorted({int(s) for s in str(args.answer_sizes).split(",") if s.strip()})
     except ValueError:
-        ap.error("--sizes, --native-sizes: comma-separated MiB, e.g. 64,256,1024")
+        ap.error("--sizes, --native-sizes, --answer-sizes: comma-separated MiB, e.g. 64,256,1024")
     if args.quick:
         explicit = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         if "--sizes" not in explicit:
@@ -928,10 +996,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.pair = 16
         if "--repeat-mib" not in explicit:
             args.repeat_mib = 16
+        if "--answer-sizes" not in explicit:
+            args.answer_sizes = [64]
     if args.settle is None:
         args.settle = 0.1 if args.quick else 1.0
     if args.replicas is None:
         args.replicas = 2 if args.quick else 10
+    if args.answer_replicas is None:
+        args.answer_replicas = 2 if args.quick else 10
+    if args.answer_runs is None:
+        args.answer_runs = args.runs
+    if args.no_answer:
+        if args.answer_only:
+            ap.error("--no-answer and --answer-only exclude each other")
+        args.answer_sizes = []
+    if args.answer_sizes and (min(args.answer_sizes) < 1 or args.answer_runs < 1 or args.answer_large_runs < 1
+                              or args.answer_replicas < 0):
+        ap.error("--answer-sizes, --answer-runs, --answer-large-runs must be positive, --answer-replicas not negative")
     if args.warmup is None:
         args.warmup = 0 if args.quick else 1
     if args.warmup < 0:
@@ -980,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         rc = 130
-    except (BenchError, native.NativeError, TimeoutError) as exc:
+    except (BenchError, native.NativeError, firstanswer.AnswerError, TimeoutError) as exc:
         log(f"error: {exc}")
         rc = 1
     except Exception:  # noqa: BLE001 - reported, then cleaned up

@@ -28,12 +28,20 @@ CHECKPOINT_OPTIONS: dict[str, str] = {
 }
 
 
+# Options the agent itself records with a checkpoint, never asked for:
+# `tcp-close` when a container held TCP connections and `tcp-established` was
+# not asked for (criu_bridge.tcp); CRIU restores those connections closed, and
+# needs the option again to restore at all.
+RECORDED_OPTIONS = ("tcp-close",)
+
+
 @dataclass(frozen=True)
 class CheckpointFlags:
     tcp_established: bool = False
     file_locks: bool = False
     ext_unix_sk: bool = False
     shell_job: bool = False
+    tcp_close: bool = False
 
     def runc_args(self) -> list[str]:
         out = []
@@ -42,14 +50,48 @@ class CheckpointFlags:
                 out.append(flag)
         return out
 
+    def criu_config(self) -> str:
+        """The CRIU configuration file of a dump with these flags (see CRIU_CONFIG_FILE)."""
+        return "".join(f"{line}\n" for line in (SKIP_IN_FLIGHT, *(["tcp-close"] if self.tcp_close else [])))
+
     def as_options(self) -> dict[str, str]:
-        return {n: "true" for n in CHECKPOINT_OPTIONS if getattr(self, n.replace("-", "_"))}
+        return {n: "true" for n in (*CHECKPOINT_OPTIONS, *RECORDED_OPTIONS) if getattr(self, n.replace("-", "_"))}
+
+
+# CRIU reads this configuration file (option names without "--", one a line)
+# before the RPC request runc sends it; runc has no flag for every option.
+CRIU_CONFIG_ENV = "CRIU_CONFIG_FILE"
+CRIU_CONFIG_FILE = "criu.conf"
+# Connections that the kernel has accepted but the server has not yet taken
+# from its listen queue are left out of every dump: the source, which always
+# runs on, takes them, and the restored listening socket starts empty. Without
+# it a server that is being connected to cannot be checkpointed at all ("In-flight
+# connection (l)"). runc >= 1.3 sends the option in its RPC request (from its
+# --tcp-skip-in-flight flag, false unless given), which overrides the file;
+# older runcs send nothing, and the file sets it.
+SKIP_IN_FLIGHT = "skip-in-flight"
+RUNC_SKIP_IN_FLIGHT = "--tcp-skip-in-flight"
 
 
 class Runc:
     def __init__(self, binary: str, root: str) -> None:
         self.binary = binary
         self.root = root
+        self._checkpoint_flags: str | None = None  # `runc checkpoint --help`, read once
+
+    async def _knows(self, flag: str) -> bool:
+        """Whether `runc checkpoint` takes `flag` (from its --help, asked once)."""
+        if self._checkpoint_flags is None:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    self.binary, "checkpoint", "--help", stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                )
+                out, _ = await proc.communicate()
+                self._checkpoint_flags = out.decode(errors="replace")
+            except OSError:
+                self._checkpoint_flags = ""
+        return flag in self._checkpoint_flags.split()
 
     def _base(self, log_path: str | None = None) -> list[str]:
         args = [self.binary, "--root", self.root]
@@ -79,16 +121,21 @@ class Runc:
         os.makedirs(image_dir, exist_ok=True)
         os.makedirs(work_dir, exist_ok=True)
         runc_log = os.path.join(work_dir, "runc.log")
+        config = os.path.join(work_dir, CRIU_CONFIG_FILE)
+        with open(config, "w", encoding="ascii") as fh:
+            fh.write(flags.criu_config())
         argv = self._base(runc_log) + [
             "checkpoint", "--pre-dump" if pre_dump else "--leave-running",
             "--image-path", image_dir, "--work-path", work_dir,
             *(["--parent-path", parent] if parent else []),
-            *flags.runc_args(), container_id,
+            *flags.runc_args(),
+            *([RUNC_SKIP_IN_FLIGHT] if await self._knows(RUNC_SKIP_IN_FLIGHT) else []),
+            container_id,
         ]
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, env={**os.environ, CRIU_CONFIG_ENV: config},
         )
         if procs is not None:
             procs.append(proc)

@@ -57,6 +57,11 @@ PLAN_FLAGS = {
     "ext-unix-sk": "--ext-unix-sk",
     "shell-job": "--shell-job",
 }
+# Restore options a plan may ask for that runc has no flag for: lines of a CRIU
+# configuration file (work/criu.conf, named by $CRIU_CONFIG_FILE), which CRIU
+# reads before runc's request. `tcp-close`: the dump closed the connections it
+# found (criu_bridge.tcp), and CRIU restores such images only with it.
+PLAN_CRIU_CONFIG = ("tcp-close",)
 
 
 class Call:
@@ -268,7 +273,14 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         pid_file = os.path.join(work, "init.pid")
         argv += ["--pid-file", pid_file]
     argv.append(call.container_id)
-    rc = subprocess.run(argv, close_fds=True).returncode
+    env = None
+    config = [opt for opt in PLAN_CRIU_CONFIG if opt in plan.get("options", [])]
+    if config:
+        conf = os.path.join(work, "criu.conf")
+        with open(conf, "w", encoding="ascii") as fh:
+            fh.write("".join(f"{line}\n" for line in config))
+        env = dict(os.environ, CRIU_CONFIG_FILE=conf)
+    rc = subprocess.run(argv, close_fds=True, env=env).returncode
     if rc != 0:
         decisive = logs.read_decisive(os.path.join(work, "restore.log"))
         msg = f"restore of {where}, phase restore: " + ("; ".join(decisive) or f"runc restore exited {rc}")

@@ -19,10 +19,10 @@ import re
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from criu_bridge import freezer, mountinfo
+from criu_bridge import freezer, mountinfo, tcp
 from criu_bridge import watchdog as wd
 from criu_bridge.errors import BridgeError, RuntimeFailure
 from criu_bridge.freezer import Freezer
@@ -270,9 +270,12 @@ class Checkpointer:
                 await self._pre_dump(pod, targets, flags, progress)
 
             phase[0] = "freeze"
+            tcp_closed: list[str] = []
             frozen_ms, dump_ms = await self._cut(
-                pod, targets, shm, work, flags, pre_dump, entry, phase, progress, thawing
+                pod, targets, shm, work, flags, pre_dump, entry, phase, progress, thawing, tcp_closed
             )
+            if tcp_closed:  # recorded: the restore must ask CRIU for it too
+                flags = replace(flags, tcp_close=True)
             log.info(
                 "pod %s frozen for %.1f ms", pod.ref, frozen_ms,
                 extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(frozen_ms, 1)},
@@ -312,11 +315,15 @@ class Checkpointer:
         phase: list[str],
         progress: ProgressFn,
         thawing: list[asyncio.Future[None]],
+        tcp_closed: list[str],
     ) -> tuple[float, dict[str, float]]:
         """Freeze every target, capture each, thaw every target. Returns (frozen ms, dump ms per container).
 
         The thaw runs as its own task, kept in `thawing`, so that it finishes
-        even if this call is cancelled twice.
+        even if this call is cancelled twice. Unless the checkpoint asked for
+        `tcp-established`, a container that holds TCP connections once frozen
+        is dumped with CRIU's --tcp-close (its restore gets them closed; the
+        source keeps them), and its name goes into `tcp_closed`.
         """
         total = len(targets)
         s = self.settings
@@ -346,6 +353,15 @@ class Checkpointer:
                     await asyncio.to_thread(self.journal.write, entry)
 
                 t0 = time.monotonic()
+                t_flags = flags
+                if not flags.tcp_established:
+                    held = await asyncio.to_thread(lambda: tcp.held_connections(tcp.cgroup_pids(t.freezer.path)))
+                    if held:
+                        t_flags = replace(flags, tcp_close=True)
+                        tcp_closed.append(t.name)
+                        log.info("pod %s, container %s: %d TCP connection(s) held; the restore gets them closed: %s",
+                                 pod.ref, t.name, len(held), "; ".join(held[:5]),
+                                 extra={"pod": pod.ref, "phase": "dump"})
                 diff = asyncio.to_thread(
                     capture_diff, t.upperdir,
                     os.path.join(t.dir, "rootfs-diff.tar"), os.path.join(t.dir, "deleted.files"),
@@ -354,7 +370,7 @@ class Checkpointer:
                     await asyncio.gather(
                         self.runc.checkpoint(
                             t.id, image_dir=os.path.join(t.dir, podformat.IMAGES_DIR),
-                            work_dir=os.path.join(t.dir, "work"), flags=flags,
+                            work_dir=os.path.join(t.dir, "work"), flags=t_flags,
                             parent=f"../{podformat.PREDUMP_DIR}" if pre_dump else None,
                             on_start=started, procs=helpers,
                         ),

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags
+from criu_bridge.runtime import CHECKPOINT_OPTIONS, RECORDED_OPTIONS, CheckpointFlags
 from node_agent import errors, hostaccess, strictjson
 from node_agent.config import Settings
 from node_agent.options import boolean
@@ -107,7 +107,7 @@ def parse_all_options(options: Mapping[str, str], *, defaults: bool = True) -> t
     values: dict[str, bool] = dict(CHECKPOINT_DEFAULTS) if defaults else {}
     pre_dump: bool | None = None
     for key, raw in options.items():
-        if key not in SUPPORTED_OPTIONS:
+        if key not in SUPPORTED_OPTIONS and (defaults or key not in RECORDED_OPTIONS):
             raise errors.InvalidArgument(
                 f"unknown checkpoint option {key!r} (supported: {', '.join(SUPPORTED_OPTIONS)})"
             )

@@ -32,6 +32,9 @@ SUMMARY = {
     ("rss",): ["peak_mib"],
 }
 NATIVE_TARGETS = {"native_durable", "native_frozen", "native_restore"}
+ANSWER_TARGETS = {"answer_first", "answer_running", "answer_cold", "answer_replicas"}
+ANSWER_SUMMARY = ["cold_answer_s", "local_running_s", "local_answer_s", "default_running_s", "default_answer_s",
+                  "full_running_s", "full_answer_s", "default_answer_over_running", "cli_startup_ms"]
 NATIVE_SUMMARY = [
     "agent_wall_s", "agent_frozen_outside_ms", "agent_store_added_bytes", "native_wall_s", "native_call_s",
     "native_frozen_ms", "native_archive_bytes", "lazy_wall_s", "lazy_first_tick_s", "native_restore_wall_s",
@@ -84,7 +87,7 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
     with_native = not native.unsupported(agent.info)
 
     targets = {t["key"]: t for t in doc["targets"]}
-    assert set(targets) == TARGETS | (NATIVE_TARGETS if with_native else set())
+    assert set(targets) == TARGETS | ANSWER_TARGETS | (NATIVE_TARGETS if with_native else set())
     for t in targets.values():
         assert _number(t["ratio"]) and t["ratio"] > 0, t
         assert isinstance(t["pass"], bool), t
@@ -109,6 +112,16 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
     for title in ("Targets", "Checkpoint, one container", "Restore until running", "Store and memory"):
         assert title in cp.stdout, cp.stdout
     assert "PASS" in cp.stdout or "MISS" in cp.stdout
+
+    # The model server's first answer: cold start, local plan, the default restore and --full, each
+    # timed from when the request reached the agent (or RunPodSandbox), every answer checked.
+    answer = doc["summary"]["answer"][str(agent.info["model_mib"])]
+    for k in ANSWER_SUMMARY:
+        assert _number(answer[k]) and answer[k] > 0, k
+    for path in ("local", "default", "full"):
+        assert answer[f"{path}_answer_s"] >= answer[f"{path}_running_s"], path
+    assert _number(answer["replicas"]["slowest_over_first"])
+    assert "Time to first answer" in cp.stdout
 
     images: list[str] = []
     if with_native:

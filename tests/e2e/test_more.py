@@ -5,10 +5,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 
+import pytest
+
 from tests.e2e.bed import (
-    Bed, container_config, container_detail, freezer_state, make_pod, pods_in, remove_pod, ticks, wait_for,
+    Bed, container_config, container_detail, freezer_state, make_pod, pod_detail, pods_in, remove_pod, ticks, wait_for,
 )
 
 HOLD_TCP = (
@@ -17,38 +20,109 @@ HOLD_TCP = (
 )
 
 
-def test_established_tcp_is_refused_with_the_decisive_line_then_taken_with_the_option(agent: Bed) -> None:
+def _nc_pids(host_pid: int) -> list[int]:
+    """The host PIDs of the `nc` processes in the PID namespace of `host_pid` (the pod's)."""
+    ino = os.stat(f"/proc/{host_pid}/ns/pid").st_ino
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{entry}/ns/pid").st_ino != ino:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if fh.read().split(b"\0")[0] == b"nc":
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def test_held_tcp_connections_are_restored_closed_by_default_and_open_with_tcp_established(agent: Bed) -> None:
     imgs = agent.info["images"]
     pod = make_pod(agent, "e2e-tcp", [container_config("conn", imgs["busybox"], ["sh", "-c", HOLD_TCP])])
     try:
         d = container_detail(agent, pod.containers["conn"])
         wait_for(lambda: len(ticks(d.log_path)) >= 3, what="ticks")
-        cp = agent.cli("checkpoint", pod.id, check=False)
-        assert cp.returncode != 0
-        err = cp.stderr
-        assert "FAILED_PRECONDITION" in err, err
-        assert f"e2e-tcp/{pod.name}" in err and "container conn" in err and "dump" in err, err
-        assert "tcp-established" in err and "--option tcp-established=true" in err, err
-        log_path = err.rsplit("full CRIU log: ", 1)[1].split(")")[0]
-        assert os.path.exists(log_path), log_path
-        assert freezer_state(d.pid) == "THAWED"
-        n = max(ticks(d.log_path))
-        wait_for(lambda: max(ticks(d.log_path)) > n, what="the pod to keep ticking")
-
-        ckpt = agent.cli("checkpoint", pod.id, "--option", "tcp-established=true").stdout.strip().splitlines()[-1]
+        held = _nc_pids(d.pid)
+        assert len(held) == 2, held  # the listener's accepted end and the client's end, on the pod's loopback
+        # By default the connection is left to the source and the restore gets it closed (CRIU's
+        # --tcp-close, recorded with the checkpoint, since CRIU restores such images only with it).
+        ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
         info = json.loads(agent.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
-        assert info["options"] == {"tcp-established": "true", "file-locks": "true"}
-        # The connection is on the pod's loopback, which the new pod has too.
+        assert info["options"] == {"file-locks": "true", "tcp-close": "true"}
+        assert freezer_state(d.pid) == "THAWED" and _nc_pids(d.pid) == held
         out = agent.cli("restore", ckpt, "--namespace", "e2e-tcp-dst", "--start").stdout.split()
         try:
             nd = container_detail(agent, out[2])
             assert nd.container.state == "CONTAINER_RUNNING"
             wait_for(lambda: len(ticks(nd.log_path)) >= 2, what="restored ticks")
             assert ticks(nd.log_path)[0] > 3
+            # Each nc finds its end closed and exits; the shell ticks on.
+            wait_for(lambda: not _nc_pids(nd.pid), timeout=30, what="the restored nc processes to see it closed")
+            n = max(ticks(nd.log_path))
+            wait_for(lambda: max(ticks(nd.log_path)) > n, what="the restored shell to tick on")
+        finally:
+            remove_pod(agent, out[0])
+        agent.cli("checkpoints", "rm", ckpt)
+        assert _nc_pids(d.pid) == held  # the source's connection is untouched
+
+        ckpt = agent.cli("checkpoint", pod.id, "--option", "tcp-established=true").stdout.strip().splitlines()[-1]
+        info = json.loads(agent.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
+        assert info["options"] == {"tcp-established": "true", "file-locks": "true"}
+        # The connection is on the pod's loopback, which the new pod has too: it comes back open.
+        out = agent.cli("restore", ckpt, "--namespace", "e2e-tcp-dst", "--start").stdout.split()
+        try:
+            nd = container_detail(agent, out[2])
+            assert nd.container.state == "CONTAINER_RUNNING"
+            wait_for(lambda: len(ticks(nd.log_path)) >= 2, what="restored ticks")
+            assert ticks(nd.log_path)[0] > 3
+            assert len(_nc_pids(nd.pid)) == 2
         finally:
             remove_pod(agent, out[0])
         agent.cli("checkpoints", "rm", ckpt)
     finally:
+        remove_pod(agent, pod.id)
+
+
+# Listens on 9000 and never accepts: a connection to it waits in the listen queue for good.
+NEVER_ACCEPTS = (
+    "import socket, time\n"
+    "s = socket.socket(); s.bind(('0.0.0.0', 9000)); s.listen(8)\n"
+    "n = 0\n"
+    "while True:\n"
+    "    n += 1; print('tick', n, flush=True); time.sleep(0.2)\n"
+)
+
+
+@pytest.mark.also17  # runc 1.3 takes --tcp-skip-in-flight; runc 1.1 gets it through CRIU's configuration file
+def test_connections_waiting_to_be_accepted_stay_with_the_source(agent: Bed) -> None:
+    pod = make_pod(agent, "e2e-inflight", [container_config("srv", agent.info["images"]["debian"],
+                                                            ["python3", "-c", NEVER_ACCEPTS])])
+    waiting = []
+    try:
+        d = container_detail(agent, pod.containers["srv"])
+        wait_for(lambda: len(ticks(d.log_path)) >= 3, what="ticks")
+        ip = pod_detail(agent, pod.id).ip
+        waiting = [socket.create_connection((ip, 9000), timeout=5) for _ in range(2)]  # queued, never accepted
+        ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]  # CRIU alone refuses it
+        info = json.loads(agent.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
+        assert info["options"] == {"file-locks": "true"}
+        out = agent.cli("restore", ckpt, "--namespace", "e2e-inflight-dst", "--start").stdout.split()
+        try:
+            nd = container_detail(agent, out[2])
+            wait_for(lambda: len(ticks(nd.log_path)) >= 2, what="restored ticks")
+            assert ticks(nd.log_path)[0] > 3
+            with socket.create_connection((pod_detail(agent, out[0]).ip, 9000), timeout=5):
+                pass  # the restored socket listens, its queue empty
+        finally:
+            remove_pod(agent, out[0])
+        agent.cli("checkpoints", "rm", ckpt)
+        for s in waiting:  # the source still holds them: open, with nothing to read
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in waiting:
+            s.close()
         remove_pod(agent, pod.id)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from criu_bridge.mountinfo import Mount
 from node_agent.cli import doctor
+from node_agent.cli.checks import Check, criu_cache_check, mount_of, mounts
 from node_agent.cli.containerd_config import snippet
 from node_agent.config import Settings
 
@@ -18,14 +19,14 @@ NODE_AGENT = str(Path(sys.executable).parent / "node-agent")
 RUNC = "/usr/sbin/runc" if os.path.exists("/usr/sbin/runc") else "/usr/bin/runc"
 
 
-def _by_name(checks: list[doctor.Check]) -> dict[str, doctor.Check]:
+def _by_name(checks: list[Check]) -> dict[str, Check]:
     return {c.name: c for c in checks}
 
 
 def test_a_problem_is_one_line_with_its_fix() -> None:
-    c = doctor.Check("x", "FAIL", "it is broken", "mend it")
+    c = Check("x", "FAIL", "it is broken", "mend it")
     assert c.line() == "FAIL x: it is broken; fix: mend it"
-    assert doctor.Check("x", "OK", "fine", "unused").line() == "OK   x: fine"
+    assert Check("x", "OK", "fine", "unused").line() == "OK   x: fine"
 
 
 def test_mount_table_and_longest_prefix(tmp_path: Path) -> None:
@@ -36,26 +37,26 @@ def test_mount_table_and_longest_prefix(tmp_path: Path) -> None:
         "24 22 0:23 / /var/lib/node\\040agent rw - ext4 /dev/vda1 rw\n"
         "25 22 0:24 / /dev rw - devtmpfs udev rw\n"
     )
-    table = doctor.mounts(str(info))
+    table = mounts(str(info))
     assert [m.point for m in table] == ["/", "/run/containerd", "/var/lib/node agent", "/dev"]
-    m = doctor.mount_of("/run/containerd/containerd.sock", table)
+    m = mount_of("/run/containerd/containerd.sock", table)
     assert m is not None and m.point == "/run/containerd"
-    m = doctor.mount_of("/run/containerdX", table)
+    m = mount_of("/run/containerdX", table)
     assert m is not None and m.point == "/"
-    m = doctor.mount_of("/var/lib/node agent/bin", table)
+    m = mount_of("/var/lib/node agent/bin", table)
     assert m is not None and m.fstype == "ext4"
 
 
 def test_criu_cache_needs_run_on_a_tmpfs(tmp_path: Path) -> None:
     info = tmp_path / "mountinfo"
     info.write_text("22 1 0:21 / / rw - ext4 /dev/vda rw\n")
-    check = doctor.criu_cache_check(doctor.mounts(str(info)))
+    check = criu_cache_check(mounts(str(info)))
     assert check.verdict == "WARN" and "/run is ext4" in check.detail and "criu.kdat" in check.detail
     info.write_text("22 1 0:21 / / rw - ext4 /dev/vda rw\n23 22 0:22 / /run rw - tmpfs tmpfs rw\n")
-    assert doctor.criu_cache_check(doctor.mounts(str(info))).verdict == "OK"
+    assert criu_cache_check(mounts(str(info))).verdict == "OK"
     # This machine's answer matches its own mount table.
-    here = doctor.mount_of("/run", doctor.mounts())
-    assert doctor.criu_cache_check(doctor.mounts()).verdict == ("OK" if here and here.fstype == "tmpfs" else "WARN")
+    here = mount_of("/run", mounts())
+    assert criu_cache_check(mounts()).verdict == ("OK" if here and here.fstype == "tmpfs" else "WARN")
 
 
 def _pci(sysfs: Path, bdf: str, vendor: str, klass: str) -> None:

@@ -36,6 +36,7 @@ def env(tmp_path: Path) -> dict[str, Path]:
     fake.write_text(
         "#!/bin/sh\n"
         f'printf "%s\\n" "$@" > {record}\n'
+        f'if [ -n "$CRIU_CONFIG_FILE" ]; then cp "$CRIU_CONFIG_FILE" {record}.criu.conf; fi\n'
         'if [ -n "$FAKE_RUNC_FAIL" ]; then\n'
         '  for a in "$@"; do case "$prev" in --work-path) mkdir -p "$a"; echo "(00.1) Error (criu/files-reg.c:1): Can\'t open file vol/held.txt on restore: No such file or directory" > "$a/restore.log";; esac; prev="$a"; done\n'
         "  exit 1\nfi\nexit 0\n"
@@ -109,6 +110,21 @@ def test_create_with_a_plan_restores(env: dict[str, Path]) -> None:
     assert _run(env, "--root", "/r", "delete", "--force", CID).returncode == 0
     assert _argv(env) == ["--root", "/r", "delete", "--force", CID]
     assert not d.exists()
+
+
+@pytest.mark.parametrize("options", [["file-locks"], ["file-locks", "tcp-close"]])
+def test_tcp_close_reaches_criu_through_its_configuration_file(env: dict[str, Path], options: list[str]) -> None:
+    d = _plan(env)
+    (d / "plan.json").write_text(json.dumps({"version": 1, "pod": "ns/p", "container": "app", "options": options}))
+    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), CID, extra_env={"CRIU_CONFIG_FILE": ""})
+    assert r.returncode == 0, r.stderr
+    assert "--file-locks" in _argv(env) and not any(a.startswith("--tcp") for a in _argv(env))
+    conf = Path(str(env["record"]) + ".criu.conf")
+    if "tcp-close" in options:
+        assert conf.read_text() == "tcp-close\n"  # runc has no flag for it; CRIU reads the file first
+        assert (d / "work" / "criu.conf").read_text() == "tcp-close\n"
+    else:
+        assert not conf.exists()
 
 
 def test_a_failed_restore_names_pod_container_phase_and_criu_line(env: dict[str, Path]) -> None:
