@@ -57,11 +57,15 @@ PLAN_FLAGS = {
     "ext-unix-sk": "--ext-unix-sk",
     "shell-job": "--shell-job",
 }
-# Restore options a plan may ask for that runc has no flag for: lines of a CRIU
-# configuration file (work/criu.conf, named by $CRIU_CONFIG_FILE), which CRIU
-# reads before runc's request. `tcp-close`: the dump closed the connections it
-# found (criu_bridge.tcp), and CRIU restores such images only with it.
-PLAN_CRIU_CONFIG = ("tcp-close",)
+# What CRIU is told through a configuration file (work/criu.conf, named by
+# $CRIU_CONFIG_FILE, read before runc's request; runc has no flag for it):
+# `tcp-close` on every restore that does not ask for `tcp-established`. CRIU
+# refuses an image holding any TCP socket with a peer port without one of the
+# two, and a dump may hold such a socket without either: one whose peer closed
+# it while the container was frozen is dumped in state CLOSE, which needs no
+# option to dump, and is not listed in /proc/net/tcp for the agent to see
+# (criu_bridge.tcp). With no such socket in the image the option does nothing.
+TCP_CLOSE = "tcp-close"
 
 
 class Call:
@@ -274,7 +278,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         argv += ["--pid-file", pid_file]
     argv.append(call.container_id)
     env = None
-    config = [opt for opt in PLAN_CRIU_CONFIG if opt in plan.get("options", [])]
+    config = [] if "tcp-established" in plan.get("options", []) else [TCP_CLOSE]
     if config:
         conf = os.path.join(work, "criu.conf")
         with open(conf, "w", encoding="ascii") as fh:
