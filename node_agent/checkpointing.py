@@ -357,6 +357,9 @@ class Checkpointer:
                 if not flags.tcp_established:
                     held = await asyncio.to_thread(lambda: tcp.held_connections(tcp.cgroup_pids(t.freezer.path)))
                     if held:
+                        # Only then: CRIU records a dump's --tcp-close in its inventory and refuses to
+                        # restore the images without the option, so on every dump it would keep other
+                        # runtimes (containerd's own restore of an export) from restoring any checkpoint.
                         t_flags = replace(flags, tcp_close=True)
                         tcp_closed.append(t.name)
                         log.info("pod %s, container %s: %d TCP connection(s) held; the restore gets them closed: %s",
