@@ -282,6 +282,14 @@ class Collector:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
         for entry in dirs:
             if not lease_is_live(entry.path):
-                shutil.rmtree(entry.path)
+                # A writer deletes its own directory before it drops its lease, and without the
+                # store lock: its lease file may be gone already, and the rest go while this runs.
+                shutil.rmtree(entry.path, onerror=_vanished_ok)
                 removed.append(entry.name)
         return removed
+
+
+def _vanished_ok(_func: object, _path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+    """rmtree's error handler: what another remover took first is gone, as wanted; the rest is raised."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
