@@ -247,8 +247,8 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
             log_error(call, msg)
             _mark(plan_dir, FAILED, msg)
             return 1
-    # Lazily, the memory comes from the agent's lazy-pages daemon, which
-    # waits on work/lazy-pages.socket. Otherwise --auto-dedup: CRIU punches
+    # Lazily, the memory comes from the agent's page source, which waits
+    # on work/lazy-pages.socket for CRIU to hand it the userfaultfds. Otherwise --auto-dedup: CRIU punches
     # out each page of our private image copy as it restores it, so the
     # copy's page cache is handed back while the process's memory fills
     # (restores of large images no longer run short of warm pages).
@@ -300,7 +300,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     _mark(plan_dir, RESTORED, json.dumps({"container_id": call.container_id, "checkpoint": plan.get("checkpoint", ""),
                                           "nonce": nonce, "pid": pid}))
     if lazy:
-        return 0  # the images are the daemon's until every page is in
+        return 0  # the images are the page source's until every page is in
     # The images served their purpose; keep only the logs.
     import shutil
 

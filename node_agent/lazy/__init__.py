@@ -18,16 +18,17 @@ and the module that does each:
 4. Start the helpers, per container, before StartContainer:
    `restores.LazyRestores.start` gives the page source its blobs (a store
    hold, or hard links to a caller's checkpoint) and the origin, and starts
-   a `session.LazySession`: the `criu lazy-pages` daemon and the page
-   source process (`source`).
+   a `session.LazySession`: the page source process (`source`), waiting
+   on the plan's lazy-pages socket.
 5. Serve: StartContainer's `runc restore --lazy-pages` (`criu_bridge.wrapper`)
-   hands the userfaultfds to the daemon, which asks the page source for
-   pages over CRIU's page-server protocol (`protocol`). The source reads
-   each chunk from the store, or fetches it from the origin
-   (`registry.fetching`), verifies and decodes it. Both helpers run at the
-   background priority (`background`).
-6. Guard and end: the session holds the connection while the container
-   runs, kills the container (`kill`) on any failure, and records the
+   hands the processes' userfaultfds to the page source, whose fault
+   handler (`handler`, over the kernel interface in `uffd` and the books
+   in `spans`) answers faults with whole windows of pages and streams the
+   rest. The pages come from the chunks (`chunks`), read from the store or
+   fetched from the origin (`registry.fetching`), verified and decoded.
+   The source runs at the background priority (`background`).
+6. Guard and end: the session holds duplicates of the userfaultfds while
+   the container runs, kills the container (`kill`) on any failure, and records the
    outcome in the plan; once a lazily pulled checkpoint's pages are all in,
    `restores` asks the store to settle its origin.
 7. After a crash: at start-up, `strays` ends the helpers a dead agent left

@@ -1,11 +1,11 @@
-"""The background priority of lazy transfers: the lazy-pages daemons and the page sources.
+"""The background priority of lazy transfers: the page sources.
 
 A task's nice value weighs only against the tasks of its own scheduling
 group. Where the kernel groups tasks by session (autogroup:
 ``kernel.sched_autogroup_enabled=1``, the default of Debian's kernels),
-every session is such a group, and the daemon and the page source each run
-in a session of their own, as does the next restore's work (containerd, its
-shim, runc, CRIU). Their nice alone then changes nothing: a transfer still
+every session is such a group, and each page source runs in a session of
+its own, as does the next restore's work (containerd, its shim, runc,
+CRIU). Its nice alone then changes nothing: a transfer still
 takes as much CPU as that restore. So the session's autogroup gets the same
 nice value. Where the task sits in a CPU cgroup of its own (systemd with CPU
 accounting, a DaemonSet pod), autogroup does not apply and the task's nice

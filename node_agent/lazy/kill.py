@@ -1,10 +1,10 @@
 """Killing a lazily restored container whose pages can no longer come.
 
-A process whose page source failed must never run on: once the lazy-pages
-daemon lets go of its userfaultfd, the kernel would fill the missing pages
-with zeros. So whoever notices the failure kills every process of the
-container (found through runc's state: its cgroups) while the page-server
-connection is still held open, and only then lets the connection go.
+A process whose page source failed must never run on: once the last holder
+of its userfaultfd lets go, the kernel would fill the missing pages with
+zeros. So whoever notices the failure kills every process of the container
+(found through runc's state: its cgroups) while the userfaultfds are still
+held open, and only then lets them go.
 """
 
 from __future__ import annotations

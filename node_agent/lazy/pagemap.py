@@ -142,23 +142,70 @@ def _parse(data: bytes, task_id: int) -> Pagemap:
     return Pagemap(task_id, head[1], tuple(extents))
 
 
+def _read_image(images: str, name: str) -> bytes:
+    fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size > MAX_PAGEMAP_BYTES:
+            raise PagemapError(f"{name} is larger than {MAX_PAGEMAP_BYTES} bytes")
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
+            return fh.read(MAX_PAGEMAP_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def load_dir(images: str) -> dict[int, Pagemap]:
     """Every task pagemap in an images directory, by task id."""
     out: dict[int, Pagemap] = {}
     for name in sorted(os.listdir(images)):
         m = TASK_PAGEMAP.match(name)
-        if not m:
+        if m:
+            task = int(m.group(1))
+            out[task] = parse(_read_image(images, name), task)
+    return out
+
+
+def parse_vmas(data: bytes, task_id: int) -> tuple[tuple[int, int], ...]:
+    """The (start, end) of every mapping in the bytes of ``mm-<task_id>.img``, sorted and disjoint.
+
+    MmEntry field 14 holds the VmaEntry messages, whose fields 1 and 2 are
+    the start and end addresses.
+    """
+    what = f"memory map of task {task_id}"
+    out: list[tuple[int, int]] = []
+    try:
+        for start, end in criuimg.entries(data, what):
+            for number, wire, a, b, _raw in criuimg.fields(data, start, end, what):
+                if number != 14 or wire != criuimg.LENGTH:
+                    continue
+                vma = criuimg.varints(data, a, b, what)
+                lo, hi = vma.get(1, -1), vma.get(2, -1)
+                if lo < 0 or hi <= lo or lo % PAGE_SIZE or hi % PAGE_SIZE or (out and lo < out[-1][1]):
+                    raise PagemapError(f"{what}: bad mapping {lo:#x}-{hi:#x}")
+                out.append((lo, hi))
+            break  # one MmEntry per image
+    except InvalidInput as exc:
+        raise PagemapError(str(exc)) from None
+    return tuple(out)
+
+
+def load_vmas(images: str, task_id: int) -> tuple[tuple[int, int], ...]:
+    """The mappings of task ``task_id`` (its ``mm-<id>.img``)."""
+    return parse_vmas(_read_image(images, f"mm-{task_id}.img"), task_id)
+
+
+def lazy_ranges(pm: Pagemap, vmas: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The lazy extents of ``pm`` cut at mapping edges: one page fill never crosses two mappings."""
+    out: list[tuple[int, int]] = []
+    starts = [v[0] for v in vmas]
+    for ext in pm.extents:
+        if not ext.lazy:
             continue
-        fd = os.open(os.path.join(images, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size > MAX_PAGEMAP_BYTES:
-                raise PagemapError(f"{name} is larger than {MAX_PAGEMAP_BYTES} bytes")
-            with os.fdopen(fd, "rb") as fh:
-                fd = -1
-                data = fh.read(MAX_PAGEMAP_BYTES + 1)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        task = int(m.group(1))
-        out[task] = parse(data, task)
+        i = max(0, bisect.bisect_right(starts, ext.vaddr) - 1)
+        while i < len(vmas) and vmas[i][0] < ext.end:
+            lo, hi = max(ext.vaddr, vmas[i][0]), min(ext.end, vmas[i][1])
+            if lo < hi:
+                out.append((lo, hi))
+            i += 1
     return out

@@ -1,32 +1,30 @@
-"""One lazily restored container: its lazy-pages daemon, its page source, and their guard.
+"""One lazily restored container: its page source, and the guard over it.
 
 Started by the restorer after the container's restore plan is written and
 before StartContainer:
 
-1. a listening socket on 127.0.0.1 (an ephemeral port);
-2. ``criu lazy-pages --page-server`` in the plan's work directory, where
-   the restore (run by the wrapper at StartContainer) will hand it the
-   processes' userfaultfds; it connects to that port once it has them;
-3. the page source (`node_agent.lazy.source`), a separate process that
-   serves the pages from the store.
+1. a listening Unix socket, ``work/lazy-pages.socket`` in the plan, where
+   the restore (run by the wrapper at StartContainer) will connect and hand
+   over the processes' userfaultfds;
+2. the page source (`node_agent.lazy.source`), a separate process that
+   takes that socket and fills the processes' memory from the store.
 
-The session then guards the transfer: it holds a duplicate of the
-page-server connection, so a page source that dies can never make the
-daemon let go of the userfaultfds while the container runs (the kernel
-would fill the missing pages with zeros). On any failure it kills the
-container's processes first, then lets the connection go, then reports
-the failure with the pod, the container, the phase and the daemon's
-decisive log lines. When every page is in, the daemon and the source exit
-by themselves and the plan's images are removed.
+The session then guards the transfer: it holds a duplicate of every
+userfaultfd the source is handed, so a page source that dies can never make
+the kernel fill the missing pages with zeros. On any failure it kills the
+container's processes first, then lets the duplicates go, then reports the
+failure with the pod, the container, the phase and the source's reason.
+When every page is in, the source exits by itself and the plan's images are
+removed.
 
-Before the restored process connects, the helpers serve nothing and must
-not outlive their purpose: they end when the restore fails (`end`), when
-the container is removed (the guard asks CRI), after `timeouts.lazy-start`
-(the source enforces that by itself too, stopping its daemon), and when
-the agent stops (`end`; the plan then says why, and a later
-StartContainer fails instead of starting the image fresh). Once the
-process is connected, the daemon holds its userfaultfds: an agent that
-stops lets go of the session (`detach`) and the transfer goes on.
+Before the restored process connects, the source serves nothing and must
+not outlive its purpose: it ends when the restore fails (`end`), when the
+container is removed (the guard asks CRI), after `timeouts.lazy-start`
+(the source enforces that by itself too), and when the agent stops (`end`;
+the plan then says why, and a later StartContainer fails instead of
+starting the image fresh). Once the restore is connected, the source holds
+the userfaultfds: an agent that stops lets go of the session (`detach`)
+and the transfer goes on.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -44,10 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from criu_bridge import logs
-from node_agent import errors
 from node_agent.config import Settings
-from node_agent.lazy import background
 from node_agent.lazy.kill import kill_container
 from node_agent.store.blobs import Ingest
 
@@ -55,7 +49,6 @@ log = logging.getLogger(__name__)
 
 DONE_FILE = "lazy.done"
 FAILED_FILE = "lazy.failed"
-DAEMON_LOG = "lazy-pages.log"
 SOCKET_NAME = "lazy-pages.socket"
 
 
@@ -91,10 +84,9 @@ class LazySession:
     exists: Callable[[], Awaitable[bool | None]] | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
-    _daemon: asyncio.subprocess.Process | None = None
     _source: asyncio.subprocess.Process | None = None
     _ctrl: socket.socket | None = None
-    _conn_fd: int = -1
+    _held: list[int] = field(default_factory=list)  # duplicates of the processes' userfaultfds
     _task: asyncio.Task[None] | None = None
     _finished: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
@@ -119,33 +111,13 @@ class LazySession:
         return os.path.join(self.plan_dir, "images")
 
     async def start(self) -> None:
-        """Start the daemon and the source; return once the daemon listens for the restore."""
+        """Start the page source; return once the socket the restore connects to listens."""
         os.makedirs(self.work, mode=0o700, exist_ok=True)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        status_r, status_w = os.pipe()
         try:
-            listener.bind(("127.0.0.1", 0))
+            _bind_in(listener, self.work, SOCKET_NAME)
             listener.listen(1)
-            port = listener.getsockname()[1]
-            # The background transfer yields to foreground work (the next
-            # restore, most of all): both the daemon and the source run at
-            # the background priority (`background`).
-            self._daemon = await asyncio.create_subprocess_exec(
-                self.settings.criu, "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port),
-                "--images-dir", self.images, "--work-dir", self.work, "--log-file", DAEMON_LOG,
-                "--status-fd", str(status_w),
-                pass_fds=(status_w,), start_new_session=True,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )
-            background.lower(self._daemon.pid)
-            os.close(status_w)
-            status_w = -1
-            async with asyncio.timeout(10):
-                ready = await asyncio.to_thread(os.read, status_r, 1)
-            if not ready:
-                await self._stop_daemon()
-                raise errors.Internal(f"{self.where}: criu lazy-pages did not start: {self._daemon_log_summary()}")
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             source_args: list[str] = ["--private-store"] if self.private_store else []
@@ -154,10 +126,13 @@ class LazySession:
                 source_args += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
                 fds.append(self.hold.lease_fd)
             try:
+                # The background transfer yields to foreground work (the next
+                # restore, most of all): the source runs at the background
+                # priority (`background`).
                 self._source = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "node_agent.lazy.source",
                     "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
-                    "--images", self.images, "--peer-pid", str(self._daemon.pid),
+                    "--images", self.images,
                     "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
                     "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
                     "--start-timeout", str(self.settings.timeouts.lazy_start), *source_args,
@@ -169,7 +144,7 @@ class LazySession:
             if self.hold is not None:
                 self.hold.detach()  # the source holds it now
         except BaseException:
-            await self._stop_daemon()
+            _unlink(os.path.join(self.work, SOCKET_NAME))
             if self.hold is not None:
                 self.hold.release()
             ours.close()
@@ -177,9 +152,6 @@ class LazySession:
         finally:
             listener.close()
             theirs.close()
-            os.close(status_r)
-            if status_w >= 0:
-                os.close(status_w)
         self._ctrl = ours
         try:
             ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords,
@@ -187,7 +159,7 @@ class LazySession:
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
-        log.info("restore of pod %s, container %s: lazy-pages daemon and page source ready, waiting for the restored "
+        log.info("restore of pod %s, container %s: page source ready, waiting for the restored "
                  "process (StartContainer, within %gs)", self.pod, self.container, self.settings.timeouts.lazy_start,
                  extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
 
@@ -244,17 +216,23 @@ class LazySession:
             return Outcome(False, f"the page source exited before the restore connected ({await self._source_exit()})")
         if event.get("event") == "error":
             return Outcome(False, str(event.get("message")))
-        if event.get("event") != "connected" or not reader.fds:
+        if event.get("event") != "connected":
             return Outcome(False, f"unexpected message from the page source: {event!r}")
-        self._conn_fd = reader.fds.pop(0)
         self._connected = True
-        for extra in reader.fds:
-            os.close(extra)
-        self._ctrl.sendall(b"ok\n")
         log.info("restore of pod %s, container %s: the restored process connected, its pages stream in",
                  self.pod, self.container, extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
-        event = await reader.next()
+        while True:
+            event = await reader.next()
+            self._held.extend(reader.fds)
+            reader.fds.clear()
+            if event is None or event.get("event") != "uffd":
+                break
         if event is not None and event.get("event") == "done":
+            self._close_conn()
+            try:
+                self._ctrl.sendall(b"released\n")
+            except OSError:
+                pass
             pages = int(event.get("pages", 0))
             return Outcome(True, pages=pages, total=int(event.get("total", pages)),
                            seconds=float(event.get("seconds", 0.0)))
@@ -281,9 +259,8 @@ class LazySession:
         return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
 
     def _close_conn(self) -> None:
-        if self._conn_fd >= 0:
-            os.close(self._conn_fd)
-            self._conn_fd = -1
+        while self._held:
+            os.close(self._held.pop())
 
     def _close_ctrl(self) -> None:
         """Close the control socket, waking a thread blocked reading it (it reads the end of the stream)."""
@@ -294,10 +271,8 @@ class LazySession:
                 pass
 
     async def _finish(self, outcome: Outcome) -> None:
-        if not outcome.ok:
-            await self._stop_daemon()
-        else:
-            await self._wait_daemon(10)
+        if outcome.ok:  # every page is in now; the source's exit is its own business
+            self._record_done(outcome)
         if self._source is not None and self._source.returncode is None:
             if not self._connected and not outcome.ok:
                 self._source.kill()  # it never got a connection: nothing to finish
@@ -310,62 +285,38 @@ class LazySession:
         if self._ctrl is not None:
             self._close_ctrl()
             self._ctrl.close()
-        try:
-            os.unlink(os.path.join(self.work, SOCKET_NAME))
-        except OSError:
-            pass
+        _unlink(os.path.join(self.work, SOCKET_NAME))
         self.outcome = outcome
-        took = time.monotonic() - self.started_at
         if outcome.ok:
-            if outcome.pages >= outcome.total:
-                what = f"all {outcome.pages} lazy pages in"
-            else:  # the daemon drops pages that were unmapped, or whose processes ended
-                what = f"lazy transfer over, {outcome.pages} of {outcome.total} pages were still needed"
-            log.info("restore of pod %s, container %s: %s, %.2fs after the daemon started",
-                     self.pod, self.container, what, took,
-                     extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
-            _write(os.path.join(self.plan_dir, DONE_FILE),
-                   json.dumps({"pages": outcome.pages, "total": outcome.total,
-                               "transfer_seconds": outcome.seconds, "seconds": round(took, 3)}))
             shutil.rmtree(self.images, ignore_errors=True)
         elif self._removed:
             log.info("restore of pod %s, container %s: removed before it started; its page source stopped",
                      self.pod, self.container, extra={"pod": self.pod, "container": self.container})
         elif self._quiet:
             outcome.message = f"{self.where}: {outcome.message}"
-            log.info("%s; its lazy-pages daemon and page source stopped", outcome.message,
+            log.info("%s; its page source stopped", outcome.message,
                      extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
             _write(os.path.join(self.plan_dir, FAILED_FILE), outcome.message)
         else:
-            decisive = self._daemon_log_summary()
-            reason = outcome.message + (f"; lazy-pages: {decisive}" if decisive else "")
+            reason = outcome.message
             outcome.message = f"{self.where}: {reason}"
             log.error("%s", outcome.message,
                       extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
             _write(os.path.join(self.plan_dir, FAILED_FILE), reason)
         self._finished.set()
 
-    def _daemon_log_summary(self) -> str:
-        return "; ".join(logs.read_decisive(os.path.join(self.work, DAEMON_LOG)))
-
-    async def _wait_daemon(self, timeout: float) -> None:
-        if self._daemon is None or self._daemon.returncode is not None:
-            return
-        try:
-            async with asyncio.timeout(timeout):
-                await self._daemon.wait()
-        except TimeoutError:
-            await self._stop_daemon()
-
-    async def _stop_daemon(self) -> None:
-        d = self._daemon
-        if d is None or d.returncode is not None:
-            return
-        try:
-            os.killpg(d.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await d.wait()
+    def _record_done(self, outcome: Outcome) -> None:
+        took = time.monotonic() - self.started_at
+        if outcome.pages >= outcome.total:
+            what = f"all {outcome.pages} lazy pages in"
+        else:  # pages that were unmapped, or whose processes ended, are not needed
+            what = f"lazy transfer over, {outcome.pages} of {outcome.total} pages were still needed"
+        log.info("restore of pod %s, container %s: %s, %.2fs after the page source started",
+                 self.pod, self.container, what, took,
+                 extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+        _write(os.path.join(self.plan_dir, DONE_FILE),
+               json.dumps({"pages": outcome.pages, "total": outcome.total,
+                           "transfer_seconds": outcome.seconds, "seconds": round(took, 3)}))
 
     async def end(self, reason: str) -> None:
         """End the helpers of a container that has not connected (the restore failed, the agent stops).
@@ -386,7 +337,7 @@ class LazySession:
         await self.end("the restore failed before the container was started")
 
     async def detach(self) -> None:
-        """Let go of a connected transfer (the agent stops): the daemon and the page source go on alone."""
+        """Let go of a connected transfer (the agent stops): the page source goes on alone."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -395,6 +346,26 @@ class LazySession:
                 me = asyncio.current_task()
                 if me is not None and me.cancelling():
                     raise
+
+
+def _bind_in(sock: socket.socket, directory: str, name: str) -> None:
+    """Bind a Unix socket to ``directory/name``, a path that may be longer than a socket address holds."""
+    path = os.path.join(directory, name)
+    if len(os.fsencode(path)) < 100:
+        sock.bind(path)
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{name}")
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _write(path: str, text: str) -> None:

@@ -2,9 +2,10 @@
 
 A helper belongs to this agent when its work directory lies under this
 agent's plans directory (test beds run several agents on one machine):
-``criu lazy-pages ... --work-dir <plans>/<container id>/work`` and
-``node_agent.lazy.source ... --images <plans>/<container id>/images``.
-Such a pair may go on only while it serves a transfer in flight: the
+``node_agent.lazy.source ... --images <plans>/<container id>/images`` (and
+``criu lazy-pages ... --work-dir <plans>/<container id>/work``, which agents
+before the page source's own fault handler started beside it). Such a
+helper may go on only while it serves a transfer in flight: the
 container runs the process the wrapper restored from the plan. Every other
 one (its container gone, exited, or never started) is a stray: it is killed,
 and the plan says why, so that a later StartContainer fails instead of

@@ -72,8 +72,8 @@ def test_a_lazily_restored_workload_has_the_same_memory(agent: Bed, checkpointed
             done_doc = json.load(fh)
         assert done_doc["pages"] == done_doc["total"] > 64 * 256 * 0.9
         # The background machinery is gone once every page is in.
-        wait_for(lambda: not _lazy_processes(cid), timeout=15, what="the daemon and the page source to exit")
-        assert not os.path.exists(os.path.join(plan, "images"))
+        wait_for(lambda: not _lazy_processes(cid), timeout=15, what="the page source to exit")
+        wait_for(lambda: not os.path.exists(os.path.join(plan, "images")), timeout=15, what="the images to go")
         assert not os.path.exists(os.path.join(plan, "work", "lazy-pages.socket"))
         assert _sum(ask(ip)) == before
         assert "all" in agent.tail_log(200) and "lazy pages in" in agent.tail_log(200)

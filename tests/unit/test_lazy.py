@@ -1,33 +1,25 @@
-"""Lazy restore's pieces on their own: CRIU pagemaps, the page-server protocol, the page source."""
+"""Lazy restore's pieces on their own: CRIU pagemaps and memory maps, the pages by chunk, the books of spans."""
 
 from __future__ import annotations
 
 import os
-import socket
+import random
 import subprocess
 import struct
-import threading
 from pathlib import Path
 
 import pytest
 
-from node_agent.lazy import background, pagemap, protocol
-from node_agent.lazy.source import Source, SourceError
+from criu_bridge.criuimg import encode_varint as _varint
+from node_agent.lazy import background, pagemap
+from node_agent.lazy.chunks import SourceError
+from node_agent.lazy.source import Source
+from node_agent.lazy.spans import Span, Spans
 from node_agent.lazy.staging import lazy_pages_files, write_sparse_pages
 from node_agent.store import Store
 
 PAGE = pagemap.PAGE_SIZE
 LAZY = pagemap.PE_LAZY | pagemap.PE_PRESENT
-
-
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
 
 
 def _msg(fields: dict[int, int]) -> bytes:
@@ -79,7 +71,7 @@ def test_hostile_pagemaps_are_refused(data: bytes, why: str) -> None:
 
 
 def _pages_bytes(n: int) -> bytes:
-    return b"".join(struct.pack("<Q", i) * (PAGE // 8) for i in range(n))
+    return random.Random(n).randbytes(n * PAGE)  # no two pages alike: chunk edges fall anywhere
 
 
 @pytest.fixture
@@ -98,144 +90,72 @@ def lazy_checkpoint(tmp_path: Path) -> tuple[Store, str, Path]:
     return store, record.id, images
 
 
-class FakeDaemon:
-    """The lazy-pages daemon's side of the page-server protocol, over a socketpair."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def get(self, task: int, vaddr: int, nr: int) -> tuple[int, int, bytes]:
-        self.sock.sendall(protocol.HEADER.pack(protocol.PS_IOV_GET, nr, vaddr, task))
-        head = self._exact(protocol.HEADER.size)
-        cmd, got, addr, dst = protocol.HEADER.unpack(head)
-        assert cmd == protocol.reply_cmd(pagemap.PE_PRESENT | pagemap.PE_LAZY) and addr == vaddr and dst == task
-        return got, addr, self._exact(got * PAGE)
-
-    def close(self) -> int:
-        self.sock.sendall(protocol.HEADER.pack(protocol.PS_IOV_CLOSE, 0, 0, 0))
-        return int(protocol.STATUS.unpack(self._exact(4))[0])
-
-    def _exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            got = self.sock.recv(n - len(buf))
-            assert got, "the source closed the connection"
-            buf += got
-        return buf
-
-
-def _serve(source: Source) -> tuple[FakeDaemon, threading.Thread, list[object]]:
-    ours, theirs = socket.socketpair()
-    result: list[object] = []
-
-    def run() -> None:
-        try:
-            result.append(source.serve(theirs))
-        except SourceError as exc:
-            result.append(exc)
-        finally:
-            theirs.close()
-            source.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    daemon = FakeDaemon(ours)
-    opened.append(ours)
-    return daemon, t, result
-
-
-opened: list[socket.socket] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_sockets() -> object:
-    yield
-    while opened:
-        opened.pop().close()
-
-
-def test_the_source_serves_pages_by_offset_and_ends_on_close(lazy_checkpoint: tuple[Store, str, Path]) -> None:
+def test_the_source_reads_each_tasks_pagemap_and_pages_file(lazy_checkpoint: tuple[Store, str, Path]) -> None:
     store, cid, images = lazy_checkpoint
     source = Source(store, cid, "c", str(images))
-    assert source.total == 305
-    daemon, t, result = _serve(source)
-    expected = _pages_bytes(307)
-    # A fault in the middle of an extent, then a request running past its end (answered short).
-    got, addr, data = daemon.get(42, 0x7F0000000000 + 100 * PAGE, 1)
-    assert got == 1 and data == expected[(2 + 100) * PAGE:(2 + 101) * PAGE]
-    got, addr, data = daemon.get(42, 0x7F0000000000 + 250 * PAGE, 400)
-    assert got == 50 and data == expected[252 * PAGE:302 * PAGE]
-    got, addr, data = daemon.get(42, 0x7F0000400000, 5)
-    assert data == expected[302 * PAGE:]
-    assert daemon.close() == 0
-    t.join(5)
-    assert result == [True] and source.served == 56
+    try:
+        assert source.total == 305 and list(source.files) == [42]
+        expected = _pages_bytes(307)
+        cache = source.files[42]
+        # Whole pages, each exactly once, though 64 KiB chunks are cut by content (edges inside pages).
+        pieces = list(cache.pieces(2 * PAGE, 300 * PAGE))
+        assert all(length % PAGE == 0 for _d, _s, length in pieces)
+        assert b"".join(bytes(d[st:st + n]) for d, st, n in pieces) == expected[2 * PAGE:302 * PAGE]
+        assert any(st == 0 and n == PAGE and len(d) == PAGE for d, st, n in pieces), "no page straddled two chunks"
+        with pytest.raises(SourceError, match="whole pages"):
+            list(cache.pieces(100, PAGE))
+        with pytest.raises(SourceError, match="outside the file"):
+            list(cache.pieces(300 * PAGE, 10 * PAGE))
+    finally:
+        source.close()
 
 
-@pytest.mark.parametrize("task, vaddr", [(42, 0x400000), (42, 0x7F0000200000), (7, 0x7F0000000000)])
-def test_requests_for_pages_that_are_not_lazy_here_are_refused(
-    lazy_checkpoint: tuple[Store, str, Path], task: int, vaddr: int
-) -> None:
+def test_a_corrupt_chunk_names_the_file_and_the_chunk(lazy_checkpoint: tuple[Store, str, Path]) -> None:
     store, cid, images = lazy_checkpoint
-    daemon, t, result = _serve(Source(store, cid, "c", str(images)))
-    daemon.sock.sendall(protocol.HEADER.pack(protocol.PS_IOV_GET, 1, vaddr, task))
-    t.join(5)
-    assert isinstance(result[0], SourceError) and "does not hold lazily" in str(result[0])
-
-
-def test_a_corrupt_chunk_stops_the_source_and_names_the_file(lazy_checkpoint: tuple[Store, str, Path]) -> None:
-    store, cid, images = lazy_checkpoint
-    entry = store.get(cid).entry("containers/c/checkpoint/pages-1.img")
-    victim = entry.chunks[-1]
+    victim = store.get(cid).entry("containers/c/checkpoint/pages-1.img").chunks[-1]
     path = store.blob_path(victim.digest)
     os.chmod(path, 0o600)
     with open(path, "r+b") as fh:
         fh.write(b"\xff" * 16)
-    daemon, t, result = _serve(Source(store, cid, "c", str(images)))
-    daemon.sock.sendall(protocol.HEADER.pack(protocol.PS_IOV_GET, 5, 0x7F0000400000, 42))
-    t.join(5)
-    assert isinstance(result[0], SourceError), result
-    assert "pages-1.img" in str(result[0]) and victim.digest in str(result[0])
+    source = Source(store, cid, "c", str(images))
+    try:
+        with pytest.raises(SourceError) as err:
+            list(source.files[42].pieces(302 * PAGE, 5 * PAGE))
+        assert "pages-1.img" in str(err.value) and victim.digest in str(err.value)
+    finally:
+        source.close()
 
 
-def test_a_held_checkpoint_removed_mid_transfer_still_serves_and_fetches(
-    lazy_checkpoint: tuple[Store, str, Path], tmp_path: Path
-) -> None:
-    """The store's hold keeps the blobs; the origin the agent read keeps missing chunks coming."""
-    store, cid, images = lazy_checkpoint
-    entry = store.get(cid).entry("containers/c/checkpoint/pages-1.img")
-    remote = entry.chunks[-1]
-    away = tmp_path / "registry-copy"
-    os.replace(store.blob_path(remote.digest), away)  # as a lazy pull leaves it: only at the origin
-    origin = {"reference": "registry.test/ckpt@" + cid}
-    store.origins.remember(cid, origin)
-    asked: list[object] = []
-
-    def fetcher(where: object, chunk: object) -> None:
-        asked.append(where)
-        os.link(away, store.blob_path(remote.digest))
-
-    store.origins.fetcher = fetcher
-    with store.hold(cid):
-        store.remove(cid)  # unpublishes it and forgets its origin
-        assert store.origins.get(cid) is None
-        daemon, t, result = _serve(Source(store, cid, "c", str(images), origin))
-        got, _, data = daemon.get(42, 0x7F0000400000, 5)
-        assert data == _pages_bytes(307)[302 * PAGE:]
-        got, _, data = daemon.get(42, 0x7F0000000000, 1)
-        assert data == _pages_bytes(307)[2 * PAGE:3 * PAGE]
-        assert daemon.close() == 0
-        t.join(5)
-    assert result == [True] and asked == [origin]
+def _mm(vmas: list[tuple[int, int]]) -> bytes:
+    body = b"".join(_varint(14 << 3 | 2) + _varint(len(v)) + v
+                    for v in (_varint(1 << 3) + _varint(lo) + _varint(2 << 3) + _varint(hi) for lo, hi in vmas))
+    return b"\0" * 8 + struct.pack("<I", len(body)) + body
 
 
-def test_a_disconnect_mid_request_is_an_error(lazy_checkpoint: tuple[Store, str, Path]) -> None:
-    store, cid, images = lazy_checkpoint
-    daemon, t, result = _serve(Source(store, cid, "c", str(images)))
-    daemon.sock.sendall(b"\x07\x00")
-    daemon.sock.close()
-    t.join(5)
-    assert isinstance(result[0], SourceError) and "mid-request" in str(result[0])
+def test_lazy_ranges_are_cut_at_mapping_edges() -> None:
+    pm = pagemap.parse(pagemap_image(7, EXTENTS), 42)
+    base = 0x7F0000000000
+    vmas = pagemap.parse_vmas(_mm([(0x400000, 0x402000), (base, base + 100 * PAGE), (base + 100 * PAGE, base + 400 * PAGE),
+                                   (0x7F0000400000, 0x7F0000402000)]), 42)
+    assert pagemap.lazy_ranges(pm, vmas) == [(base, base + 100 * PAGE), (base + 100 * PAGE, base + 300 * PAGE),
+                                             (0x7F0000400000, 0x7F0000402000)]  # the last extent's tail is unmapped
+    with pytest.raises(pagemap.PagemapError, match="bad mapping"):
+        pagemap.parse_vmas(_mm([(base, base + PAGE), (0x1000, 0x2000)]), 42)
+
+
+def test_spans_follow_remaps_removals_and_progress() -> None:
+    s = Spans([Span(0x10000, 0x20000, 0x10000), Span(0x30000, 0x40000, 0x30000)])
+    assert s.bytes == 0x20000 and s.find(0x1FFFF) is not None and s.find(0x20000) is None
+    taken = s.take(0x18000, 0x34000)
+    assert [(t.start, t.end, t.img) for t in taken] == [(0x18000, 0x20000, 0x18000), (0x30000, 0x34000, 0x30000)]
+    s.remap(0x34000, 0x90000, 0x8000)  # part of the second span moves
+    assert [(t.start, t.end, t.img) for t in s] == [(0x10000, 0x18000, 0x10000), (0x3C000, 0x40000, 0x3C000),
+                                                    (0x90000, 0x98000, 0x34000)]
+    s.drop_image(0x35000, 0x36000)  # a copy by image address lands at the moved place
+    assert [(t.start, t.end) for t in s][2:] == [(0x90000, 0x91000), (0x92000, 0x98000)]
+    assert s.at_or_after(0x50000).start == 0x90000 and s.at_or_after(0xA0000).start == 0x10000
+    s.add(Span(0x3C000, 0x40000, 0x3C000))
+    assert len(s) == 4
 
 
 def test_staging_writes_only_the_pages_that_cannot_come_lazily(

@@ -1,0 +1,140 @@
+"""A restored task's pages file, read from the checkpoint's chunks by offset, verified, in whole pages.
+
+Each chunk is read from the store (or fetched from the checkpoint's origin),
+checked against its sha256 and decoded when first needed, kept in a small
+LRU, and the next chunks of the file are read ahead in threads. Chunks are
+cut by content, so their edges fall anywhere; `pieces` hands out whole
+pages: runs of pages inside one chunk as views of it, and a page that
+straddles two chunks as its own assembled copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Final
+
+from node_agent.errors import AgentError
+from node_agent.store.blobs import BlobStore
+from node_agent.store.manifest import Chunk, FileEntry
+from node_agent.store.reading import read_or_fetch
+
+PAGE_SIZE: Final = 4096
+CACHE_CHUNKS: Final = 16
+READ_AHEAD: Final = 6
+
+
+class SourceError(Exception):
+    """Serving the pages cannot go on."""
+
+
+class ChunkCache:
+    """Verified, decoded chunks of one file: a small LRU plus read-ahead in threads."""
+
+    def __init__(
+        self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
+        fetch: Callable[[Chunk], None] | None = None,
+    ) -> None:
+        self.blobs = blobs
+        self.fetch = fetch
+        self.checkpoint_id = checkpoint_id
+        self.entry = entry
+        self.offsets = [c.offset for c in entry.chunks]
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.cache: OrderedDict[int, Future[bytes]] = OrderedDict()
+
+    def _load(self, index: int) -> bytes:
+        chunk = self.entry.chunks[index]
+        try:
+            data = read_or_fetch(self.blobs, chunk, self.fetch)
+        except AgentError as exc:
+            raise SourceError(
+                f"checkpoint {self.checkpoint_id}: {self.entry.path} at offset {chunk.offset}: {exc}"
+            ) from exc
+        if len(data) != chunk.size:
+            raise SourceError(f"{self.entry.path}: chunk at {chunk.offset} decoded to {len(data)} bytes, "
+                              f"not {chunk.size}")
+        return data
+
+    def _future(self, index: int) -> Future[bytes]:
+        with self.lock:
+            fut = self.cache.get(index)
+            if fut is None or fut.cancelled():
+                fut = self.pool.submit(self._load, index)
+                self.cache[index] = fut
+                while len(self.cache) > CACHE_CHUNKS:
+                    self.cache.popitem(last=False)
+            else:
+                self.cache.move_to_end(index)
+            return fut
+
+    def chunk(self, index: int) -> bytes:
+        while True:
+            fut = self._future(index)
+            if fut.cancel():
+                # Still queued behind reads ahead (slow fetches from an origin,
+                # say): a page someone waits for is read here and now.
+                own: Future[bytes] = Future()
+                own.set_running_or_notify_cancel()
+                with self.lock:
+                    self.cache[index] = own
+                try:
+                    own.set_result(self._load(index))
+                except BaseException as exc:
+                    own.set_exception(exc)
+                fut = own
+            try:
+                data = fut.result()
+                break
+            except CancelledError:
+                continue  # another reader took it over: wait for that one
+        for ahead in range(index + 1, min(index + 1 + READ_AHEAD, len(self.entry.chunks))):
+            self._future(ahead)
+        return data
+
+    def warm(self, offset: int) -> None:
+        """Start reading the chunks from ``offset`` on (before anyone asks for them)."""
+        if 0 <= offset < self.entry.size:
+            index = bisect.bisect_right(self.offsets, offset) - 1
+            for ahead in range(index, min(index + READ_AHEAD, len(self.entry.chunks))):
+                self._future(ahead)
+
+    def _check(self, offset: int, size: int) -> None:
+        if offset < 0 or size < 0 or offset + size > self.entry.size:
+            raise SourceError(f"{self.entry.path}: range {offset}+{size} is outside the file ({self.entry.size} bytes)")
+
+    def read(self, offset: int, size: int) -> list[memoryview]:
+        """``size`` bytes at ``offset``, as views into the cached chunks."""
+        self._check(offset, size)
+        parts: list[memoryview] = []
+        pos, end = offset, offset + size
+        while pos < end:
+            index = bisect.bisect_right(self.offsets, pos) - 1
+            c = self.entry.chunks[index]
+            data = self.chunk(index)
+            stop = min(c.size, end - c.offset)
+            parts.append(memoryview(data)[pos - c.offset : stop])
+            pos = c.offset + stop
+        return parts
+
+    def pieces(self, offset: int, size: int) -> Iterator[tuple[bytes, int, int]]:
+        """(data, start in data, length) covering ``size`` bytes at page-aligned ``offset``, in whole pages."""
+        if offset % PAGE_SIZE or size % PAGE_SIZE:
+            raise SourceError(f"{self.entry.path}: range {offset}+{size} is not in whole pages")
+        self._check(offset, size)
+        pos, end = offset, offset + size
+        while pos < end:
+            index = bisect.bisect_right(self.offsets, pos) - 1
+            c = self.entry.chunks[index]
+            inside = min(end, c.offset + c.size) - pos
+            inside -= inside % PAGE_SIZE
+            if inside > 0:
+                yield self.chunk(index), pos - c.offset, inside
+                pos += inside
+            else:  # the page at pos runs on into the next chunk
+                yield b"".join(self.read(pos, PAGE_SIZE)), 0, PAGE_SIZE
+                pos += PAGE_SIZE

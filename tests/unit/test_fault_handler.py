@@ -1,0 +1,270 @@
+"""The page source's fault handler against the kernel's real userfaultfd, in a process made to look restored.
+
+`uffd_process.py` maps memory, registers it as CRIU's restore does and
+hands the userfaultfd over the same way; the handler fills it from a real
+store's chunks. What the process reads is checked against the pages file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from criu_bridge.criuimg import encode_varint as _varint
+from node_agent.lazy import pagemap
+from node_agent.lazy.chunks import SourceError
+from node_agent.lazy.handler import Handler
+from node_agent.lazy.source import Source, accept_restore
+from node_agent.store import Store
+
+PAGE = pagemap.PAGE_SIZE
+LAZY = pagemap.PE_LAZY | pagemap.PE_PRESENT
+PAGES = 512
+CHILD = Path(__file__).with_name("uffd_process.py")
+PAGES_PATH = "containers/c/checkpoint/pages-1.img"
+
+
+def _fields(fields: dict[int, int]) -> bytes:
+    return b"".join(_varint(k << 3) + _varint(v) for k, v in fields.items())
+
+
+def _entry(body: bytes) -> bytes:
+    return struct.pack("<I", len(body)) + body
+
+
+MAGICS = b"\x19\x43\x56\x54\x25\x40\x08\x56"
+
+
+def pagemap_image(extents: list[tuple[int, int, int]]) -> bytes:
+    return MAGICS + _entry(_fields({1: 1})) + b"".join(_entry(_fields({1: v, 2: 0, 4: f, 5: n})) for v, n, f in extents)
+
+
+def mm_image(vmas: list[tuple[int, int]]) -> bytes:
+    body = _fields({1: 0, 2: 0})
+    for lo, hi in vmas:
+        vma = _fields({1: lo, 2: hi, 3: 0, 4: 0, 5: 3, 6: 0x22, 7: 0})
+        body += _varint(14 << 3 | 2) + _varint(len(vma)) + vma
+    return MAGICS + _entry(body)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Restored:
+    """The process, its expected memory, the store and the handler serving it."""
+
+    proc: subprocess.Popen[str]
+    addr: int
+    pages: bytes
+    store: Store
+    checkpoint: str
+    images: Path
+    sock: str
+    handed: list[int] = field(default_factory=list)
+    result: list[object] = field(default_factory=list)
+    thread: threading.Thread | None = None
+    handler: Handler | None = None
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
+        assert ready, f"no answer to {line!r}; the handler: {self.result}"
+        answer = self.proc.stdout.readline().strip()
+        assert answer, f"the process died on {line!r} (exit {self.proc.poll()})"
+        return answer
+
+    def serve(self, source: Source) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.sock)
+        listener.listen(1)
+        self.handler = Handler(source.maps, source.files, str(self.images), lambda fd, task: self.handed.append(task))
+
+        def run() -> None:
+            conn = None
+            try:
+                conn = accept_restore(listener, 10)
+                assert self.handler is not None
+                self.handler.run(conn)
+                self.result.append(True)
+            except SourceError as exc:
+                self.result.append(exc)
+            finally:
+                listener.close()
+                if conn is not None:
+                    conn.close()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.ask(f"connect {self.sock}") == "ok"
+
+    def expect(self, first: int, n: int) -> str:
+        return sha(self.pages[first * PAGE:(first + n) * PAGE])
+
+
+@pytest.fixture
+def restored(tmp_path: Path) -> Iterator[Restored]:
+    proc = subprocess.Popen([sys.executable, str(CHILD), "42", str(PAGES)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    addr = int(proc.stdout.readline(), 16)
+    pages = random.Random(7).randbytes(PAGES * PAGE)
+    store = Store(tmp_path / "store", chunk_size=64 << 10)  # chunk edges fall inside pages
+    with store.writer() as w:
+        w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image([(addr, PAGES, LAZY)]))
+        w.add_bytes(PAGES_PATH, pages)
+        record = w.commit({"kind": "test"})
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "pagemap-42.img").write_bytes(pagemap_image([(addr, PAGES, LAZY)]))
+    (images / "mm-42.img").write_bytes(mm_image([(addr, addr + PAGES * PAGE)]))
+    r = Restored(proc, addr, pages, store, record.id, images, str(tmp_path / "lazy-pages.socket"))
+    try:
+        yield r
+    finally:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        if r.thread is not None:
+            r.thread.join(10)
+        if r.handler is not None:
+            r.handler.close()
+
+
+def test_the_process_reads_its_checkpointed_memory_and_the_rest_streams_in(restored: Restored) -> None:
+    r = restored
+    source = Source(r.store, r.checkpoint, "c", str(r.images))
+    assert source.total == PAGES
+    r.serve(source)
+    assert r.ask("hash 100 3") == r.expect(100, 3)  # a fault in the middle first
+    assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
+    assert r.thread is not None
+    r.thread.join(10)
+    assert r.result == [True] and r.handed == [42]
+    assert r.handler is not None and r.handler.copied == PAGES * PAGE and r.handler.total_pages == PAGES
+    source.close()
+
+
+def test_fork_remove_and_mremap_while_pages_are_missing(restored: Restored) -> None:
+    """Chunks held back (a lazily pulled checkpoint's origin, slow) while the process forks, drops and moves memory."""
+    r = restored
+    record = r.store.get(r.checkpoint)
+    held = [c for c in record.entry(PAGES_PATH).chunks if c.offset >= 256 * PAGE]
+    gate = -(-held[0].offset // PAGE)  # the first page whose bytes are held back
+    assert gate + 100 <= PAGES
+    away = Path(r.images).parent / "away"
+    away.mkdir()
+    for c in held:
+        os.replace(r.store.blob_path(c.digest), away / c.digest.split(":")[1])
+    release = threading.Event()
+
+    def fetcher(_origin: object, chunk: object) -> None:
+        release.wait(30)
+        for c in held:
+            try:
+                os.link(away / c.digest.split(":")[1], r.store.blob_path(c.digest))
+            except FileExistsError:
+                pass  # fetched by another reader meanwhile
+
+    origin = {"reference": "registry.test/ckpt@" + r.checkpoint}
+    r.store.origins.remember(r.checkpoint, origin)
+    r.store.origins.fetcher = fetcher
+    source = Source(r.store, r.checkpoint, "c", str(r.images), origin)
+    r.serve(source)
+    assert r.ask("hash 0 128") == r.expect(0, 128)
+    assert r.ask("fork-hash 0 200") == r.expect(0, 200)  # the child gets the memory too
+    assert r.ask(f"remove {gate + 20} 10") == "ok"
+    moved = r.ask(f"move {gate + 60} 40")
+    release.set()
+    assert r.ask(f"hash {gate} 20") == r.expect(gate, 20)
+    assert r.ask(f"hash-at {moved} 40") == r.expect(gate + 60, 40)
+    assert r.ask(f"hash {gate + 20} 10") == sha(bytes(10 * PAGE))  # removed: zeros, as the kernel gives
+    assert r.ask(f"hash {gate + 100} {PAGES - gate - 100}") == r.expect(gate + 100, PAGES - gate - 100)
+    assert r.thread is not None
+    r.thread.join(10)
+    assert r.result == [True] and r.handed == [42, 42]  # the parent's userfaultfd and the child's
+    source.close()
+
+
+def test_a_corrupt_chunk_stops_the_transfer_and_names_it(restored: Restored) -> None:
+    r = restored
+    victim = r.store.get(r.checkpoint).entry(PAGES_PATH).chunks[-1]
+    path = r.store.blob_path(victim.digest)
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as fh:
+        fh.write(b"\xff" * 16)
+    source = Source(r.store, r.checkpoint, "c", str(r.images))
+    r.serve(source)
+    assert r.thread is not None
+    r.thread.join(10)
+    assert len(r.result) == 1 and isinstance(r.result[0], SourceError), r.result
+    assert "pages-1.img" in str(r.result[0]) and victim.digest in str(r.result[0])
+    source.close()
+
+
+def test_a_restore_that_ends_before_it_finished_is_an_error(tmp_path: Path) -> None:
+    sock = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock)
+    listener.listen(1)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.connect(sock)
+    conn = accept_restore(listener, 5)
+    peer.close()
+    handler = Handler({}, {}, str(tmp_path), lambda fd, task: None)
+    try:
+        with pytest.raises(SourceError, match="before it finished"):
+            handler.run(conn)
+    finally:
+        handler.close()
+        listener.close()
+        conn.close()
+
+
+def test_only_root_may_connect_to_the_lazy_pages_socket() -> None:
+    d = tempfile.mkdtemp(prefix="na-unit-peer-")  # not under pytest's own 0700 directory
+    os.chmod(d, 0o755)
+    sock = os.path.join(d, "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock)
+    os.chmod(sock, 0o777)
+    listener.listen(2)
+    connect = (f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({sock!r}); print('in', flush=True); "
+               "time.sleep(10)")
+    nobody = subprocess.Popen([sys.executable, "-c", connect], user=65534, stdout=subprocess.PIPE, text=True)
+    root: subprocess.Popen[str] | None = None
+    try:
+        assert nobody.stdout is not None and nobody.stdout.readline().strip() == "in"  # queued first
+        root = subprocess.Popen([sys.executable, "-c", connect], stdout=subprocess.PIPE, text=True)
+        conn = accept_restore(listener, 5)
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        assert pid == root.pid
+        conn.close()
+    finally:
+        for p in (nobody, root):
+            if p is not None:
+                p.kill()
+                p.wait()
+                if p.stdout is not None:
+                    p.stdout.close()
+        listener.close()
+        shutil.rmtree(d)
