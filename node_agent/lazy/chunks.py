@@ -72,7 +72,8 @@ class ChunkCache:
                 self.cache.move_to_end(index)
             return fut
 
-    def chunk(self, index: int) -> bytes:
+    def chunk(self, index: int, ahead: bool = True) -> bytes:
+        """Chunk ``index``, verified and decoded; ``ahead``: start reading the next ones too."""
         while True:
             fut = self._future(index)
             if fut.cancel():
@@ -92,8 +93,9 @@ class ChunkCache:
                 break
             except CancelledError:
                 continue  # another reader took it over: wait for that one
-        for ahead in range(index + 1, min(index + 1 + READ_AHEAD, len(self.entry.chunks))):
-            self._future(ahead)
+        if ahead:
+            for later in range(index + 1, min(index + 1 + READ_AHEAD, len(self.entry.chunks))):
+                self._future(later)
         return data
 
     def warm(self, offset: int) -> None:
@@ -107,7 +109,7 @@ class ChunkCache:
         if offset < 0 or size < 0 or offset + size > self.entry.size:
             raise SourceError(f"{self.entry.path}: range {offset}+{size} is outside the file ({self.entry.size} bytes)")
 
-    def read(self, offset: int, size: int) -> list[memoryview]:
+    def read(self, offset: int, size: int, ahead: bool = True) -> list[memoryview]:
         """``size`` bytes at ``offset``, as views into the cached chunks."""
         self._check(offset, size)
         parts: list[memoryview] = []
@@ -115,14 +117,20 @@ class ChunkCache:
         while pos < end:
             index = bisect.bisect_right(self.offsets, pos) - 1
             c = self.entry.chunks[index]
-            data = self.chunk(index)
+            data = self.chunk(index, ahead)
             stop = min(c.size, end - c.offset)
             parts.append(memoryview(data)[pos - c.offset : stop])
             pos = c.offset + stop
         return parts
 
-    def pieces(self, offset: int, size: int) -> Iterator[tuple[bytes, int, int]]:
-        """(data, start in data, length) covering ``size`` bytes at page-aligned ``offset``, in whole pages."""
+    def pieces(self, offset: int, size: int, ahead: bool = True) -> Iterator[tuple[bytes, int, int]]:
+        """(data, start in data, length) covering ``size`` bytes at page-aligned ``offset``, in whole pages.
+
+        ``ahead``: read the following chunks ahead (a sequential reader); a
+        read at a scattered place reads only what it needs, so that it
+        neither wastes the workers nor pushes the stream's chunks out of the
+        cache.
+        """
         if offset % PAGE_SIZE or size % PAGE_SIZE:
             raise SourceError(f"{self.entry.path}: range {offset}+{size} is not in whole pages")
         self._check(offset, size)
@@ -133,8 +141,8 @@ class ChunkCache:
             inside = min(end, c.offset + c.size) - pos
             inside -= inside % PAGE_SIZE
             if inside > 0:
-                yield self.chunk(index), pos - c.offset, inside
+                yield self.chunk(index, ahead), pos - c.offset, inside
                 pos += inside
             else:  # the page at pos runs on into the next chunk
-                yield b"".join(self.read(pos, PAGE_SIZE)), 0, PAGE_SIZE
+                yield b"".join(self.read(pos, PAGE_SIZE, ahead)), 0, PAGE_SIZE
                 pos += PAGE_SIZE

@@ -69,7 +69,8 @@ class Task:
     cache: ChunkCache
     pending: Spans
     jobs: list[Spans] = field(default_factory=list)
-    hint: int = 0
+    hint: int = 0  # where the stream goes on
+    last_fault: int = -1  # where the last fault's window ended
     gone: bool = False
 
     def file_offset(self, img: int) -> int:
@@ -267,13 +268,14 @@ class Handler:
     def _fault(self, task: Task, addr: int) -> None:
         with self.lock:
             self.faults += 1
-            job = self._claim(task, addr, FAULT_WINDOW)
+            walking = _near(addr, task.last_fault, FAULT_WINDOW)
+            job = self._claim(task, addr, FAULT_WINDOW, fault=True)
             if job is None and any(j.find(addr) for j in task.jobs):
                 return  # on its way: the copy wakes the thread
         if self._after:
             self._zero(task, addr, inline=True)
         elif job is not None:
-            self.pool.submit(self._run_job, task, job)
+            self.pool.submit(self._run_job, task, job, walking)
         else:
             self.pool.submit(self._zero, task, addr)
 
@@ -299,8 +301,13 @@ class Handler:
 
     # -- copies -------------------------------------------------------------------------------
 
-    def _claim(self, task: Task, addr: int, window: int) -> Spans | None:
-        """Take the window of waiting memory around ``addr`` for one copy (lock held)."""
+    def _claim(self, task: Task, addr: int, window: int, fault: bool = False) -> Spans | None:
+        """Take the window of waiting memory around ``addr`` for one copy (lock held).
+
+        The stream goes on after its own windows, and after a fault's when the
+        faults walk the memory in order (each near where the last one's window
+        ended); scattered faults leave it where it was.
+        """
         if task.gone:
             return None
         s = task.pending.find(addr)
@@ -312,13 +319,19 @@ class Handler:
         hi = min(s.end, s.start + (lo_img + window - s.img))
         job = Spans(task.pending.take(lo, hi))
         task.jobs.append(job)
-        task.hint = hi
+        if not fault or _near(lo, task.last_fault, window):
+            task.hint = hi
+        if fault:
+            task.last_fault = hi
         return job
 
-    def _run_job(self, task: Task, job: Spans) -> bool:
-        """Copy a claimed window; False when its memory is not in place yet (before the restore finished)."""
+    def _run_job(self, task: Task, job: Spans, ahead: bool = True) -> bool:
+        """Copy a claimed window; False when its memory is not in place yet (before the restore finished).
+
+        ``ahead``: read the next chunks ahead (the stream, and faults that walk in order).
+        """
         try:
-            self._copy_job(task, job)
+            self._copy_job(task, job, ahead)
         except _NotYet:
             return False
         except SourceError as exc:
@@ -332,7 +345,7 @@ class Handler:
                 self.lock.notify_all()
         return True
 
-    def _copy_job(self, task: Task, job: Spans) -> None:
+    def _copy_job(self, task: Task, job: Spans, ahead: bool) -> None:
         with self.lock:
             first = job.first()
             if first is None:
@@ -340,7 +353,7 @@ class Handler:
             img_lo = min(s.img for s in job)
             img_hi = max(s.img + s.size for s in job)
         img_hi = min(img_hi, task.extent_end(img_lo))
-        for data, start, length in task.cache.pieces(task.file_offset(img_lo), img_hi - img_lo):
+        for data, start, length in task.cache.pieces(task.file_offset(img_lo), img_hi - img_lo, ahead):
             base = uffd.address_of(data) + start
             self._copy_piece(task, job, img_lo, base, length)
             img_lo += length
@@ -491,6 +504,11 @@ class _Words:
             os.close(extra)
         self.fds.clear()
         return fd
+
+
+def _near(addr: int, mark: int, window: int) -> bool:
+    """Whether ``addr`` lies within a window either side of ``mark`` (where the last window ended)."""
+    return mark >= 0 and mark - window <= addr < mark + window
 
 
 def _drain(fd: int) -> None:
