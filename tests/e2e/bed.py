@@ -379,7 +379,7 @@ def ask(ip: str, port: int = 8080, timeout: float = 10) -> str:
 
 
 def lazy_helpers(under: str) -> list[str]:
-    """"PID ARGS" of each lazy-pages daemon and page source whose arguments name a path containing `under`
+    """"PID ARGS" of each page source (or lazy-pages daemon) whose arguments name a path containing `under`
     (a store's plans directory, or `/plans/<container id>/`)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

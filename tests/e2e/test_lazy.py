@@ -30,7 +30,7 @@ def _sum(reply: str) -> str:
 
 
 def _lazy_processes(cid: str) -> list[str]:
-    """"PID ARGS" of the page source and lazy-pages daemon of container ``cid``."""
+    """"PID ARGS" of the page source (or an older agent's lazy-pages daemon) of container ``cid``."""
     return lazy_helpers(f"/plans/{cid}/")
 
 
@@ -109,7 +109,7 @@ def test_a_page_source_killed_mid_restore_kills_the_container_and_says_so(
             assert reason in logged[-1]
             wait_for(lambda: container_detail(agent, cid).container.state == "CONTAINER_EXITED", timeout=30,
                      what="the container to be dead")
-            wait_for(lambda: not _lazy_processes(cid), timeout=15, what="the lazy-pages daemon to go")
+            wait_for(lambda: not _lazy_processes(cid), timeout=15, what="the page source to go")
             # The agent goes on serving.
             assert ckpt[:19] in agent.cli("checkpoints", "ls").stdout
             return

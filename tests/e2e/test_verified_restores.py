@@ -46,7 +46,7 @@ def _nothing_left(bed: Bed, namespace: str) -> None:
 
 
 def our_helpers(bed: Bed) -> list[str]:
-    """The lazy-pages daemons and page sources of this bed's agent."""
+    """The page sources (and any lazy-pages daemons) of this bed's agent."""
     return lazy_helpers(os.path.join(bed.store, "plans") + "/")
 
 
