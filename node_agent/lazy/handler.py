@@ -51,6 +51,7 @@ from node_agent.lazy.spans import Span, Spans
 
 log = logging.getLogger("node_agent.lazy.source")
 
+SOCKET_NAME: Final = "lazy-pages.socket"  # in the restore's work directory, as CRIU names it
 RESTORE_FINISHED: Final = 0x52535446
 FAULT_WINDOW: Final = 1 << 20
 STREAM_WINDOW: Final = 1 << 20
@@ -268,9 +269,14 @@ class Handler:
     def _fault(self, task: Task, addr: int) -> None:
         with self.lock:
             self.faults += 1
+            # Faults that walk the memory in order (each near where the last
+            # one's window ended) move the stream on and read ahead; scattered
+            # ones leave the stream where it was and read only their chunk.
             walking = _near(addr, task.last_fault, FAULT_WINDOW)
-            job = self._claim(task, addr, FAULT_WINDOW, fault=True)
-            if job is None and any(j.find(addr) for j in task.jobs):
+            job = self._claim(task, addr, FAULT_WINDOW, move_stream=walking)
+            if job is not None:
+                task.last_fault = _end(job)
+            elif any(j.find(addr) for j in task.jobs):
                 return  # on its way: the copy wakes the thread
         if self._after:
             self._zero(task, addr, inline=True)
@@ -301,12 +307,10 @@ class Handler:
 
     # -- copies -------------------------------------------------------------------------------
 
-    def _claim(self, task: Task, addr: int, window: int, fault: bool = False) -> Spans | None:
+    def _claim(self, task: Task, addr: int, window: int, move_stream: bool = True) -> Spans | None:
         """Take the window of waiting memory around ``addr`` for one copy (lock held).
 
-        The stream goes on after its own windows, and after a fault's when the
-        faults walk the memory in order (each near where the last one's window
-        ended); scattered faults leave it where it was.
+        ``move_stream``: the stream goes on where this window ends.
         """
         if task.gone:
             return None
@@ -319,10 +323,8 @@ class Handler:
         hi = min(s.end, s.start + (lo_img + window - s.img))
         job = Spans(task.pending.take(lo, hi))
         task.jobs.append(job)
-        if not fault or _near(lo, task.last_fault, window):
+        if move_stream:
             task.hint = hi
-        if fault:
-            task.last_fault = hi
         return job
 
     def _run_job(self, task: Task, job: Spans, ahead: bool = True) -> bool:
@@ -460,10 +462,6 @@ class Handler:
                 return task, job
         return None
 
-    @property
-    def done(self) -> bool:
-        return self.stopping and self.error is None
-
 
 class _NotYet(Exception):
     """The memory a copy is for is not registered yet: the restore has not finished."""
@@ -504,6 +502,10 @@ class _Words:
             os.close(extra)
         self.fds.clear()
         return fd
+
+
+def _end(job: Spans) -> int:
+    return max(s.end for s in job)
 
 
 def _near(addr: int, mark: int, window: int) -> bool:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node_agent.config import Settings
+from node_agent.lazy.handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
 from node_agent.store.blobs import Ingest
 
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 DONE_FILE = "lazy.done"
 FAILED_FILE = "lazy.failed"
-SOCKET_NAME = "lazy-pages.socket"
 
 
 @dataclass

@@ -31,6 +31,7 @@ Control channel (inherited Unix stream socket), JSON lines to the agent:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -47,14 +48,13 @@ from node_agent.config import parse_registry
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import PAGE_SIZE, ChunkCache, SourceError
-from node_agent.lazy.handler import Handler
+from node_agent.lazy.handler import SOCKET_NAME, Handler
 from node_agent.lazy.kill import kill_container
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import Store
 
 log = logging.getLogger("node_agent.lazy.source")
 
-SOCKET_NAME = "lazy-pages.socket"
 RELEASE_WAIT = 10.0
 
 
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             conn = accept_restore(listener, args.start_timeout)
         finally:
             listener.close()
-            _unlink(socket_path)  # one restore per plan: a second StartContainer finds no socket
+            with contextlib.suppress(OSError):  # one restore per plan: a second StartContainer finds no socket
+                os.unlink(socket_path)
         _tell(ctrl, {"event": "connected"})
 
         telling = threading.Lock()  # the restore's reader and the event loop both hand over
@@ -254,13 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         _end_hold(args.store, args.hold_dir, args.hold_fd)
         if args.private_store and os.path.isfile(os.path.join(args.store, "oci-layout")):
             shutil.rmtree(args.store, ignore_errors=True)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _end_hold(store_root: str, hold_dir: str, fd: int) -> None:

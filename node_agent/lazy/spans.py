@@ -40,6 +40,7 @@ class Spans:
 
     def __init__(self, spans: Iterable[Span] = ()) -> None:
         self._spans: list[Span] = []
+        self._keys: list[int] = []  # the spans' starts, kept beside them for bisect
         for s in sorted(spans, key=lambda s: s.start):
             if s.end > s.start:
                 self._add(Span(s.start, s.end, s.img))
@@ -65,14 +66,14 @@ class Spans:
 
     def find(self, addr: int) -> Span | None:
         """The span holding ``addr``, or None."""
-        i = bisect.bisect_right(self._starts(), addr) - 1
+        i = bisect.bisect_right(self._keys, addr) - 1
         if i >= 0 and self._spans[i].start <= addr < self._spans[i].end:
             return self._spans[i]
         return None
 
     def at_or_after(self, addr: int) -> Span | None:
         """The first span that ends after ``addr``; the first of all when none does."""
-        i = bisect.bisect_right(self._starts(), addr) - 1
+        i = bisect.bisect_right(self._keys, addr) - 1
         if i >= 0 and self._spans[i].end > addr:
             return self._spans[i]
         i += 1
@@ -85,7 +86,7 @@ class Spans:
         out: list[Span] = []
         if end <= start:
             return out
-        i = max(0, bisect.bisect_right(self._starts(), start) - 1)
+        i = max(0, bisect.bisect_right(self._keys, start) - 1)
         while i < len(self._spans):
             s = self._spans[i]
             if s.start >= end:
@@ -101,6 +102,7 @@ class Spans:
             if hi < s.end:
                 rest.append(Span(hi, s.end, s.image(hi)))
             self._spans[i:i + 1] = rest
+            self._keys[i:i + 1] = [r.start for r in rest]
             i += len(rest)
         return out
 
@@ -125,8 +127,6 @@ class Spans:
             self.add(Span(s.start + to - frm, s.end + to - frm, s.img))
 
     def _add(self, span: Span) -> None:
-        i = bisect.bisect_left(self._starts(), span.start)
+        i = bisect.bisect_left(self._keys, span.start)
         self._spans.insert(i, span)
-
-    def _starts(self) -> list[int]:
-        return [s.start for s in self._spans]
+        self._keys.insert(i, span.start)

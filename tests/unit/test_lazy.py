@@ -207,3 +207,36 @@ def test_background_priority_lowers_the_process_and_its_session() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_spans_agree_with_a_page_by_page_model_under_random_changes() -> None:
+    """Take, add, remap and drop_image in any order keep the books a set of pages would."""
+    rng = random.Random(5)
+    P = 0x1000
+    model = {(a, a) for a in range(0, 64 * P, P)}  # (address now, image address), page by page
+    s = Spans([Span(0, 64 * P, 0)])
+    for _ in range(400):
+        op = rng.choice(["take", "remap", "drop", "add"])
+        lo = rng.randrange(0, 200) * P
+        hi = lo + rng.randrange(1, 20) * P
+        if op == "take":
+            s.take(lo, hi)
+            model = {(a, i) for a, i in model if not lo <= a < hi}
+        elif op == "remap":
+            to = rng.randrange(0, 200) * P
+            s.remap(lo, to, hi - lo)
+            moved = {(a - lo + to, i) for a, i in model if lo <= a < hi}
+            model = {(a, i) for a, i in model if not lo <= a < hi and not to <= a < to + hi - lo} | moved
+        elif op == "drop":
+            s.drop_image(lo, hi)
+            model = {(a, i) for a, i in model if not lo <= i < hi}
+        else:
+            s.add(Span(lo, hi, lo + 0x100000))
+            model = {(a, i) for a, i in model if not lo <= a < hi} | {(a, a + 0x100000) for a in range(lo, hi, P)}
+        pages = {(sp.start + k, sp.img + k) for sp in s for k in range(0, sp.size, P)}
+        assert pages == model, op
+        starts = [sp.start for sp in s]
+        assert starts == sorted(starts) and all(a.end <= b.start for a, b in zip(list(s), list(s)[1:]))
+        for a, _i in list(model)[:5]:
+            found = s.find(a)
+            assert found is not None and found.start <= a < found.end
