@@ -29,14 +29,16 @@ from criu_bridge.freezer import Freezer
 from criu_bridge.rootfs.capture import capture_diff
 from criu_bridge.rpc import CriuClient
 from criu_bridge.runtime import CheckpointFlags, Runc, reap
-from node_agent import devshm, errors, podformat
+from node_agent import devshm, errors, podformat, policy, signing
 from node_agent.config import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
 from node_agent.journal import Entry, Journal
+from node_agent.keys import Keys
 from node_agent.metrics import Metrics, instrumented
 from node_agent.podformat import manifest_annotations, parse_all_options
 from node_agent.progress import Progress, ProgressFn, no_progress
 from node_agent.store import CheckpointRecord, Store
+from node_agent.store.sealing import SealKey
 from node_agent.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -129,10 +131,13 @@ class _Target:
 class Checkpointer:
     def __init__(
         self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
+        keys: Keys | None = None,
     ) -> None:
         self.settings = settings
         self.cri = cri
         self.store = store
+        # Where each namespace's encryption key comes from (None: checkpoints stay in the clear).
+        self.keys = keys
         self.journal = journal
         self.criu = criu
         self.runc = Runc(settings.runc, settings.runc_root)
@@ -177,6 +182,9 @@ class Checkpointer:
             async with asyncio.timeout(timeout):
                 pod = await resolve_pod(self.cri, req.pod)
                 pod_ref = pod.ref
+                # The node's policy for the pod's namespace, before anything is frozen or written.
+                policy.require(self.settings, "checkpoint", pod.namespace, pod.ref)
+                self.seal_key(pod.namespace)  # a broken key source refuses before the pod is touched
                 phase[0] = "waiting for an earlier operation on the pod"
                 if self.turns.busy(pod.id):
                     progress(Progress("queued", message=f"pod {pod.ref} is busy; waiting"))
@@ -516,10 +524,36 @@ class Checkpointer:
                 os.replace(os.path.join(wdir, "stats-dump"), os.path.join(t.dir, podformat.IMAGES_DIR, "stats-dump"))
             shutil.rmtree(wdir, ignore_errors=True)
 
+    def seal_key(self, namespace: str) -> SealKey | None:
+        """The key the namespace's checkpoints are sealed under (None: not encrypted)."""
+        return self.keys.seal_key(namespace) if self.keys is not None else None
+
+    def rekey(self, record: CheckpointRecord) -> CheckpointRecord:
+        """A copy of ``record`` sealed under its namespace's newest key (or in the clear if its domain has none).
+
+        Synchronous (a worker thread). Unchanged when it is sealed under that
+        key already: the copy is the same bytes, so the same id.
+        """
+        record.require_open()
+        pod = record.metadata.get("pod")
+        namespace = str(pod.get("namespace", "")) if isinstance(pod, dict) else ""
+        namespace = namespace or record.annotations.get(podformat.POD_ANNOTATION, "").partition("/")[0]
+        if not namespace:
+            raise errors.FailedPrecondition(f"checkpoint {record.id} names no namespace: its key domain is unknown")
+        new = self.store.copy(record, seal=self.seal_key(namespace))
+        if new.id != record.id:  # a new checkpoint: signed as every one this node publishes
+            signing.sign_published(self.settings.signing.key_file, self.store, new.id)
+        log.info("checkpoint %s re-encrypted as %s (key %s -> %s)", record.id, new.id, record.key_id or "none",
+                 new.key_id or "none", extra={"checkpoint": new.id})
+        return new
+
     def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
-        with (store or self.store).writer() as w:
+        seal = self.seal_key(str(meta["pod"]["namespace"]))
+        with (store or self.store).writer(seal=seal) as w:
             w.add_tree("", work)
             record = w.commit(meta, annotations=manifest_annotations(meta))
+            # Signed right after the publish; a failure removes it again and fails the checkpoint.
+            signing.sign_published(self.settings.signing.key_file, store or self.store, record.id)
             self.metrics.observe_ingest(record, w.bytes_written)
             return record
 

@@ -55,6 +55,26 @@ class Rules(tuple[Rule, ...]):
     """The mutual-TLS listener's authorization rules (`authz.parse_rules`)."""
 
 
+class _FrozenMap(dict[str, Any]):
+    """A settings mapping (name -> value) that is hashable and never changes; `_parse_value` builds it."""
+
+    item_type: Any = None
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("settings do not change")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
+
+
+class NameGroups(_FrozenMap):
+    """Names mapped to lists of names (`encryption.domains`, `restore.trusted-keys`)."""
+
+    item_type = tuple[str, ...]
+
+
 class _Section(Struct, frozen=True, forbid_unknown_fields=True, rename="kebab"):
     """A config mapping: its fields with dashes are its keys, and no others."""
 
@@ -159,6 +179,78 @@ def token_realm_host(value: Any, what: str = "registry.token-realms") -> str:
     return f"[{host}]:{port or 443}" if ":" in host else f"{host}:{port or 443}"
 
 
+class KeySource(_Section, frozen=True):
+    """One place encryption keys come from: exactly one of `file`, `secret`, `exec` (docs/security.md)."""
+
+    # A keyring document (YAML or JSON), re-read when it changes.
+    file: str = ""
+    # A Kubernetes Secret mounted as a directory: its `keyring.yaml` item is
+    # the keyring document, re-read when the kubelet swaps it.
+    secret: str = ""
+    # A KMS plugin: this command prints the keyring document as JSON on
+    # stdout; run at start, every `refresh-interval` and when a key id is missing.
+    exec: tuple[str, ...] = ()
+    # How long the plugin may run (seconds).
+    timeout: Positive = 10.0
+
+    @property
+    def kind(self) -> str:
+        """"file", "secret" or "exec"."""
+        return "file" if self.file else "secret" if self.secret else "exec"
+
+    @property
+    def where(self) -> str:
+        """The path or command, for messages."""
+        return self.file or self.secret or " ".join(self.exec)
+
+
+class Encryption(_Section, frozen=True):
+    """Encryption of checkpoint data at rest and in registries (docs/security.md)."""
+
+    # In order of precedence: for each key domain, the first source that has
+    # it supplies the key new checkpoints use; old keys are found in any.
+    key_sources: tuple[KeySource, ...] = ()
+    # Named groups of namespaces that share one key domain. A namespace in
+    # no group is a domain of its own, named like it; "*" in a group takes
+    # every namespace that no group names.
+    domains: NameGroups = field(default_factory=NameGroups)
+    # How often a KMS plugin is asked again (seconds).
+    refresh_interval: Positive = 300.0
+
+
+class Signing(_Section, frozen=True):
+    """The node's checkpoint signing key (docs/security.md)."""
+
+    # An Ed25519 private key, PEM (PKCS#8), from a file or a mounted Secret;
+    # empty: checkpoints are published unsigned.
+    key_file: str = ""
+
+
+class RestoreRules(_Section, frozen=True):
+    """What a checkpoint must show before it is restored (docs/security.md)."""
+
+    # Refuse checkpoints without a signature by a trusted key.
+    require_signature: bool = False
+    # Per target namespace ("*": any namespace), the public keys trusted:
+    # PEM files, or `ed25519:<base64 of the 32-byte key>`.
+    trusted_keys: NameGroups = field(default_factory=NameGroups)
+    # Restore checkpoints imported from other engines' archives (unsigned).
+    allow_foreign: bool = False
+
+
+class NamespaceRule(_Section, frozen=True):
+    """Whether pods of a namespace may be checkpointed, and restored into it; unset: as for "*"."""
+
+    checkpoint: bool | None = None
+    restore: bool | None = None
+
+
+class NamespaceRules(_FrozenMap):
+    """`namespaces:`: a namespace ("*": every other) -> its NamespaceRule."""
+
+    item_type = NamespaceRule
+
+
 class Document(_Section, frozen=True):
     """Every key of a config file: the settings less where they were read from."""
 
@@ -215,6 +307,13 @@ class Document(_Section, frozen=True):
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
     registry: RegistrySettings = field(default_factory=RegistrySettings)
+    encryption: Encryption = field(default_factory=Encryption)
+    signing: Signing = field(default_factory=Signing)
+    restore: RestoreRules = field(default_factory=RestoreRules)
+    # Per namespace ("*": every other), whether checkpoint and restore are
+    # allowed, on every path (local socket, TLS listener, CRI, annotations).
+    # Both are allowed where nothing says otherwise.
+    namespaces: NamespaceRules = field(default_factory=NamespaceRules)
 
 
 class Settings(Document, frozen=True):
@@ -267,6 +366,18 @@ def _parse_value(kind: type, value: Any) -> Any:
         return TokenRealms(dict.fromkeys(token_realm_host(v) for v in value))
     if kind is Rules:
         return Rules(parse_rules(value))
+    if isinstance(kind, type) and issubclass(kind, _FrozenMap):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"must be a mapping, got {_shown(value)}")
+        items: dict[str, Any] = {}
+        for name, item in value.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"every key must be a non-empty string, got {_shown(name)}")
+            try:
+                items[name] = msgspec.convert(item, kind.item_type)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"[{name!r}]: {exc}") from None
+        return kind(items)
     raise NotImplementedError(kind)
 
 
@@ -393,7 +504,41 @@ def validate(s: Settings) -> Settings:
         raise InvalidArgument(f"wrapper-python must be an absolute path, got {s.wrapper_python!r}")
     if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
         raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
+    _validate_security(s)
     return _validate_listeners(s)
+
+
+_KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _validate_security(s: Settings) -> None:
+    for i, source in enumerate(s.encryption.key_sources):
+        given = [k for k in ("file", "secret", "exec") if getattr(source, k)]
+        if len(given) != 1:
+            raise InvalidArgument(
+                f"encryption.key-sources[{i}] needs exactly one of file, secret, exec (got {', '.join(given) or 'none'})"
+            )
+        path = source.file or source.secret
+        if path and not os.path.isabs(path):
+            raise InvalidArgument(f"encryption.key-sources[{i}].{given[0]} must be an absolute path, got {path!r}")
+        if source.exec and not os.path.isabs(source.exec[0]):
+            raise InvalidArgument(f"encryption.key-sources[{i}].exec: the command must be an absolute path")
+    owner: dict[str, str] = {}
+    for name, members in s.encryption.domains.items():
+        if not _KEY_ID.fullmatch(name):
+            raise InvalidArgument(f"encryption.domains: {name!r} is not a domain name ([A-Za-z0-9._-], at most 64)")
+        for ns in members:
+            if ns in owner:
+                raise InvalidArgument(f"encryption.domains: namespace {ns!r} is in both {owner[ns]!r} and {name!r}")
+            owner[ns] = name
+    if s.signing.key_file and not os.path.isabs(s.signing.key_file):
+        raise InvalidArgument(f"signing.key-file must be an absolute path, got {s.signing.key_file!r}")
+    for ns, keys in s.restore.trusted_keys.items():
+        for key in keys:
+            if not (key.startswith("ed25519:") or os.path.isabs(key)):
+                raise InvalidArgument(
+                    f"restore.trusted-keys[{ns!r}]: {key!r} is neither an absolute path nor ed25519:<base64>"
+                )
 
 
 def host_port(value: str, *, default_host: str = "", what: str = "listen") -> tuple[str, int]:

@@ -28,7 +28,7 @@ import grpc
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
-from node_agent import errors, handler
+from node_agent import errors, handler, signing
 from node_agent import sdnotify
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
@@ -37,6 +37,7 @@ from node_agent.checkpointing import Checkpointer
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
+from node_agent.keys import Keys
 from node_agent.metrics import Metrics
 from node_agent.podformat import POD_ANNOTATION
 from node_agent.recovery import recover
@@ -123,7 +124,12 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     prepare_dirs(s)
     if not s.wrapper_python:  # else install-handler wrote it for the host
         install_wrapper(s)
-    store = Store(s.store)
+    keys = Keys(s.encryption)
+    for line in keys.describe():
+        log.info("encryption key source %s", line)
+    if s.signing.key_file:  # a key that cannot sign fails the start, not the first checkpoint
+        log.info("checkpoints are signed by %s", signing.signer_for(s.signing.key_file).key_id)
+    store = Store(s.store, keys=keys)
     from node_agent.registry.fetching import RemoteBlobs
 
     store.origins.fetcher = RemoteBlobs(store, settings=s.registry)  # chunks that lazy pulls left in their registries
@@ -138,7 +144,7 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
             log.warning("recovered %d unfinished operation(s)", n)
         metrics = Metrics()
         metrics.store_size = store.usage
-        checkpointer = Checkpointer(s, cri, store, journal, criu, metrics)
+        checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys)
         restorer = Restorer(s, cri, store, journal, criu, metrics)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         policy = retention_policy(s)

@@ -20,11 +20,13 @@ agent's wrapper, reading this agent's restore plans. Three layers make sure:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -177,6 +179,32 @@ def plan_nonce(plan_dir: str) -> str | None:
     return str(doc.get("nonce") or "") if isinstance(doc, dict) else ""
 
 
+# What a plan holds of the checkpoint (plaintext CRIU images, the writable
+# layer): needed until the restore is done, and removed then.
+_PLAN_DATA = ("images", "predump", "rootfs-diff.tar", "deleted.files", "opaque.dirs")
+
+
+def drop_plan_data(plan_dir: str) -> None:
+    """Remove a started container's checkpoint data from its plan, keeping the plan and the restore record.
+
+    A lazy restore's images are its page source's to remove when its pages are in.
+    """
+    try:
+        with open(os.path.join(plan_dir, PLAN_FILE), encoding="utf-8") as fh:
+            lazy = json.loads(fh.read(1 << 20)).get("lazy") is True
+    except (OSError, ValueError, AttributeError):
+        return
+    if lazy:
+        return
+    for name in _PLAN_DATA:
+        path = os.path.join(plan_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 async def verify_restored(cri: CriClient, s: Settings, container_id: str, plan_dir: str, nonce: str, *,
                           where: str, handler: str) -> None:
     """After StartContainer: the container runs the process CRIU restored from this plan, or it is stopped."""
@@ -204,6 +232,7 @@ async def verify_restored(cri: CriClient, s: Settings, container_id: str, plan_d
                 problem = (f"its process (PID {status.pid}) is not the one CRIU restored (PID {record.pid}); "
                            "it did not come from the checkpoint")
     if not problem:
+        drop_plan_data(plan_dir)
         return
     log.error("%s: %s; stopping it", where, problem, extra={"phase": "verify-start"})
     try:

@@ -4,10 +4,14 @@ Reads a verified checkpoint from the store, creates a new sandbox through
 CRI with the restore runtime handler, puts the pod's /dev/shm back, creates
 each container, and leaves a restore plan per container ID for the runtime
 wrapper (`criu_bridge.wrapper`), which turns the container's `create` into
-`runc restore` when someone calls StartContainer. Everything created is
-journalled and removed again on any error. A lazy restore (`node_agent.lazy`)
-stages the memory that can come on demand sparse and starts each
-container's lazy-pages helpers once its plan is written.
+`runc restore` when someone calls StartContainer. Before anything is made,
+`admit` applies the node's policy for the target namespace, the rule on
+other engines' checkpoints and the signature requirement (every restore
+path, the CRI endpoint's restore through a Pod included, asks it).
+Everything created is journalled and removed again on any error. A lazy
+restore (`node_agent.lazy`) stages the memory that can come on demand
+sparse and starts each container's lazy-pages helpers once its plan is
+written.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from criu_bridge import locks
 from criu_bridge.errors import RuntimeFailure
 from criu_bridge.rpc import CriuClient
 from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
-from node_agent import devshm, errors, handler, hostaccess, podformat
+from node_agent import devshm, errors, handler, hostaccess, podformat, policy, signing
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.interop import criuimg
+from node_agent.interop.foreign import IMPORTED_FROM
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
 from node_agent.lazy.restores import LazyRestores
@@ -237,6 +242,7 @@ class Restorer:
             name = check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
             uid = str(uuid.uuid4())
         where = f"{namespace}/{name}"
+        await self.admit(record, saved, namespace, where, req.source)
         handler_name = req.runtime_handler or self.settings.runtime_handler
         if where in self._targets:
             raise errors.Aborted(f"restore as pod {where}: another restore into that pod is in progress")
@@ -359,6 +365,30 @@ class Restorer:
         entry.data = {}
         return RestoredPod(pod_id, namespace, name, uid, record.id, tuple((n, c) for n, c, _ in created), started)
 
+    async def admit(self, record: CheckpointRecord, saved: SavedPod, namespace: str, where: str,
+                    source: Store | None = None) -> str:
+        """May this checkpoint be restored into `namespace` (as pod `where`)? PERMISSION_DENIED if not.
+
+        Every restore asks, before anything is made: `restore` (store, API,
+        CRI RestorePod) and restore through a Pod (the CRI endpoint). In
+        order: the namespace's policy (`namespaces:`), a checkpoint imported
+        from another engine's archive (`restore.allow-foreign`), a trusted
+        signature when `restore.require-signature` is set. Returns the
+        signer's key id ("" when no signature is required).
+        """
+        policy.require(self.settings, "restore", namespace, where)
+        rules = self.settings.restore
+        engine = foreign_engine(record, saved)
+        if engine and not rules.allow_foreign:
+            raise errors.PermissionDenied(
+                f"restore as pod {where}: checkpoint {record.id} was imported from another engine's archive "
+                f"({engine}), not made by node-agent; this node restores such checkpoints only with "
+                "restore.allow-foreign: true"
+            )
+        if not rules.require_signature:
+            return ""
+        return await asyncio.to_thread(signing.require_trusted, source or self.store, record, self.settings, namespace)
+
     async def preflight(self, record: CheckpointRecord, saved: SavedPod, source: Store | None = None) -> None:
         for cname, cfg, _ in saved.containers:
             image = str((cfg["config"].get("image") or {}).get("image") or cfg.get("rootfsImageName") or "")
@@ -459,6 +489,26 @@ class Restorer:
         await self.lazy.cancel(entry.op_id)
         await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
         self.journal.remove(entry)
+
+
+def foreign_engine(record: CheckpointRecord, saved: SavedPod) -> str:
+    """The engine whose archive the checkpoint was imported from ("" for node-agent's own).
+
+    Import records it twice (`interop.plans`): the metadata's `imported.format`
+    (`node-agent` for the agent's own archives) and an annotation on the pod
+    and container configs, which an export and a re-import keep.
+    """
+    imported = record.metadata.get("imported") if isinstance(record.metadata, Mapping) else None
+    if imported is not None:
+        fmt = imported.get("format") if isinstance(imported, Mapping) else None
+        if fmt != "node-agent":
+            return fmt if isinstance(fmt, str) and fmt else "unknown"
+    for cfg in (saved.pod_config, *(c["config"] for _, c, _ in saved.containers)):
+        annotations = cfg.get("annotations")
+        engine = annotations.get(IMPORTED_FROM) if isinstance(annotations, Mapping) else None
+        if engine:
+            return str(engine)
+    return ""
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

@@ -181,6 +181,14 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             bad_blobs=[pb.BadBlob(digest=b.digest, reason=b.reason, paths=list(b.paths)) for b in bad],
         )
 
+    async def RekeyCheckpoint(self, request: pb.RekeyCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.RekeyCheckpointResponse:
+        rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
+        new = await self._unary(context, lambda: self.checkpointer.rekey(rec))
+        if request.replace and new.id != rec.id:
+            await self._unary(context, lambda: self.store.remove(rec.id))
+        return pb.RekeyCheckpointResponse(checkpoint_id=new.id, key_id=new.key_id, previous_id=rec.id,
+                                          previous_key_id=rec.key_id, replaced=request.replace and new.id != rec.id)
+
     async def GarbageCollect(self, request: pb.GarbageCollectRequest, context: grpc.aio.ServicerContext) -> pb.GarbageCollectResponse:
         report = await self._unary(context, lambda: self.gc(dry_run=request.dry_run))
         return pb.GarbageCollectResponse(
@@ -268,7 +276,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         def fn() -> Any:
             rec = store.get(request.checkpoint_id)
             return interop.export_container(store, rec.id, request.container, request.output_path,
-                                            compression=request.compression or None)
+                                            compression=request.compression or None, plaintext=request.plaintext)
 
         report = await self._unary(context, fn)
         return pb.ExportResponse(output_path=request.output_path, size=int(getattr(report, "size", 0)))
@@ -287,7 +295,8 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             def fn() -> Any:
                 rec = store.get(request.checkpoint_id)
                 return interop.export_container(store, rec.id, request.container, path,
-                                                compression=request.compression or "none")
+                                                compression=request.compression or "none",
+                                                plaintext=request.plaintext)
 
             await self._unary(context, fn)
             with open(path, "rb") as fh:
@@ -347,7 +356,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         rec = await self._unary(context, lambda: interop.import_archive(
             store, path, namespace=request.namespace or None, name=request.name or None,
             log_root=s.pod_log_root, cgroup_parent=s.cgroup_parent or None, runtime_handler=s.runtime_handler,
-            kubelet_root=s.kubelet_root, criu=s.criu, work_dir=s.work_dir,
+            kubelet_root=s.kubelet_root, criu=s.criu, work_dir=s.work_dir, seal_for=self.checkpointer.seal_key,
             limits=interop.ImportLimits(min_free_bytes=s.min_free_bytes),
         ))
         return convert.checkpoint_info(rec)

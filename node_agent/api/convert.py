@@ -39,15 +39,17 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
         ))
     raw_opts = meta.get("options")
     opts: Mapping[str, Any] = raw_opts if isinstance(raw_opts, Mapping) else {}
+    # A locked checkpoint (its key is not here) says only its clear annotations.
+    clear_ns, _, clear_name = (rec.annotations.get(podformat.POD_ANNOTATION, "") if rec.locked else "").partition("/")
     return pb.CheckpointInfo(
         id=rec.id,
-        pod_namespace=_s(pod.get("namespace")),
-        pod_name=_s(pod.get("name")),
+        pod_namespace=_s(pod.get("namespace")) or clear_ns,
+        pod_name=_s(pod.get("name")) or clear_name,
         pod_uid=_s(pod.get("uid")),
         pod_sandbox_id=_s(pod.get("id")),
         containers=containers,
         created=_s(meta.get("created")) or rec.created,
-        size=rec.size,
+        size=max(rec.size, 0),
         stored_size=rec.stored_size,
         frozen_ms=_f(meta.get("frozen_ms")),
         options={str(k): str(v) for k, v in opts.items()},
@@ -55,6 +57,8 @@ def checkpoint_info(rec: CheckpointRecord) -> pb.CheckpointInfo:
         node=_s(meta.get("node")),
         pre_dump=meta.get("pre_dump") is True,
         annotations={str(k): str(v) for k, v in (getattr(rec, "annotations", None) or {}).items()},
+        key_id=rec.key_id,
+        locked=rec.locked,
     )
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, handler
+from node_agent import devshm, errors, handler, policy
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
@@ -47,6 +47,7 @@ from node_agent.options import boolean
 from node_agent.podformat import check_host_access, load_saved, parse_all_options
 from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options, undo_restore
 from node_agent.store import CheckpointRecord, Store, WriterHooks
+from node_agent.store.sealing import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +102,11 @@ def _empty_dir(path: str) -> None:
             log.warning("cannot remove %s: %s", p, exc.strerror)
 
 
-def _open_store(path: str, writer_hooks: WriterHooks | None = None) -> Store:
-    """A store rooted at a caller's directory, leaving the directory's own mode alone."""
+def _open_store(path: str, keys: Keyring | None, writer_hooks: WriterHooks | None = None) -> Store:
+    """A store rooted at a caller's directory (sealed with the node's keys), leaving the directory's own mode alone."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     try:
-        return Store(path, writer_hooks=writer_hooks)
+        return Store(path, writer_hooks=writer_hooks, keys=keys)
     finally:
         os.chmod(path, mode)
 
@@ -241,6 +242,8 @@ class CriEndpoint:
         pods = [p for p in await cri_client.list_pods() if p.id == req.pod_sandbox_id]
         if not pods:
             raise errors.NotFound(f"pod sandbox {req.pod_sandbox_id} not found")
+        # Refused before output_path is touched (the checkpointer asks again).
+        policy.require(self.settings, "checkpoint", pods[0].namespace, pods[0].ref)
         containers = {c.id: c for c in await cri_client.list_containers(req.pod_sandbox_id)}
         for cid in ids:
             c = containers.get(cid)
@@ -251,7 +254,7 @@ class CriEndpoint:
         writers = _OutputWriters()
         target: Store | None = None
         try:
-            target = await asyncio.to_thread(_open_store, out, writers)
+            target = await asyncio.to_thread(_open_store, out, self.store.keys, writers)
             record = await self.checkpointer.checkpoint(
                 CheckpointRequest(pod=req.pod_sandbox_id, containers=ids, options=dict(req.options), store=target),
                 timeout=timeout,
@@ -292,7 +295,7 @@ class CriEndpoint:
         path = _caller_dir("checkpoint_path", req.checkpoint_path, self.settings.store)
         if not os.path.isfile(os.path.join(path, "oci-layout")):
             raise errors.FailedPrecondition(f"checkpoint_path {path} holds no checkpoint written by CheckpointPod")
-        source = await asyncio.to_thread(_open_store, path)
+        source = await asyncio.to_thread(_open_store, path, self.store.keys)
         records, problems = await asyncio.to_thread(source.scan)
         if len(records) != 1:
             if problems and not records:
@@ -387,8 +390,11 @@ class CriEndpoint:
         tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
         try:
             allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
+            # A namespace the policy refuses pulls nothing (the admission below asks again).
+            policy.require(self.settings, "restore", meta.namespace, where)
             record = await self._resolve_checkpoint(ref.strip(), where)
             saved = await asyncio.to_thread(load_saved, self.store, record)
+            await self.restorer.admit(record, saved, meta.namespace, where)
             check_host_access(record.id, saved, self.settings, allowed=allow)
             await self.restorer.preflight(record, saved)
             await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")

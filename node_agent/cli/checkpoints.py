@@ -104,12 +104,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         [
             i["id"][:19], f"{i['pod_namespace']}/{i['pod_name']}",
             ",".join(c["name"] for c in i.get("containers", [])), i["created"][:19].replace("T", " "),
-            output.human_size(i["size"]), f"{i['frozen_ms']:.0f}",
+            "?" if i.get("locked") else output.human_size(i["size"]), f"{i['frozen_ms']:.0f}", _sealed(i),
         ]
         for i in items
     ]
-    output.table(rows, ["ID", "POD", "CONTAINERS", "CREATED", "SIZE", "FROZEN_MS"])
+    output.table(rows, ["ID", "POD", "CONTAINERS", "CREATED", "SIZE", "FROZEN_MS", "KEY"])
     return 0
+
+
+def _sealed(info: dict[str, Any]) -> str:
+    """An encrypted checkpoint's key id (and whether that key is missing here), or "-"."""
+    kid = str(info.get("key_id") or "")
+    return f"{kid} (not configured)" if info.get("locked") else kid or "-"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -123,6 +129,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{key + ':':16} {d.get(key, '')}\n")
     sys.stdout.write(f"{'size:':16} {output.human_size(d['size'])} (stored {output.human_size(d['stored_size'])})\n")
     sys.stdout.write(f"{'frozen_ms:':16} {d['frozen_ms']:.1f}\n")
+    sys.stdout.write(f"{'encryption:':16} {'key ' + _sealed(d) if d.get('key_id') else 'none'}\n")
     sys.stdout.write(f"{'options:':16} {', '.join(f'{k}={v}' for k, v in sorted(d.get('options', {}).items())) or '-'}\n")
     sys.stdout.write("containers:\n")
     for c in d.get("containers", []):
@@ -139,6 +146,23 @@ def cmd_rm(args: argparse.Namespace) -> int:
         output.emit({"removed": resp.checkpoint_id}, args.output)
     else:
         sys.stdout.write(resp.checkpoint_id + "\n")
+    return 0
+
+
+def cmd_rekey(args: argparse.Namespace) -> int:
+    with Client.of(args) as c:
+        resp = c.call("RekeyCheckpoint", pb.RekeyCheckpointRequest(checkpoint_id=args.id, replace=args.replace),
+                      timeout=args.timeout)
+    if args.output in output.DATA:
+        output.emit(output.as_dict(resp), args.output)
+        return 0
+    if resp.checkpoint_id == resp.previous_id:
+        sys.stderr.write(f"{resp.previous_id} is sealed under its domain's newest key ({resp.key_id or 'none'}) already\n")
+    else:
+        sys.stderr.write(f"{resp.previous_id} ({resp.previous_key_id or 'not encrypted'}) -> key "
+                         f"{resp.key_id or 'none (its domain has no key)'}"
+                         + ("; the old checkpoint is removed\n" if resp.replaced else "; the old checkpoint is kept\n"))
+    sys.stdout.write(resp.checkpoint_id + "\n")
     return 0
 
 
@@ -214,6 +238,13 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     q.add_argument("--timeout", type=float, default=600)
     output.add_flag(q, "table")
     q.set_defaults(func=cmd_verify)
+    q = csub.add_parser("rekey", parents=[common],
+                        help="re-encrypt a checkpoint under its key domain's newest key, as a new checkpoint")
+    q.add_argument("id")
+    q.add_argument("--replace", action="store_true", help="remove the old checkpoint once the new one is published")
+    q.add_argument("--timeout", type=float, default=600)
+    output.add_flag(q, "id")
+    q.set_defaults(func=cmd_rekey)
     q = csub.add_parser("rm", parents=[common], help="remove one checkpoint")
     q.add_argument("id")
     output.add_flag(q, "table")

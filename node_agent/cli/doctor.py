@@ -26,6 +26,7 @@ import sys
 from typing import Any, Callable
 
 from criu_bridge.mountinfo import Mount
+from node_agent import policy
 from node_agent.cli.checks import (CAP_CHECKPOINT_RESTORE, CAP_DAC_OVERRIDE, CAP_NET_ADMIN, CAP_SYS_ADMIN,
                                    CAP_SYS_PTRACE, MIN_CRIU, Check, criu_cache_check, effective_caps, in_container,
                                    mount_of, mounts, pids_of, status_field, version_line)
@@ -469,6 +470,23 @@ def _nvml_check(sysfs: str = "/sys", init: Callable[[], str | None] = _nvml_init
     return Check("nvml gpus", "OK", f"NVML answers for {len(gpus)} NVIDIA GPU(s)")
 
 
+def _policy_check(s: Settings) -> Check:
+    """The policy's one check; its settings are printed after the checks (`policy_report`)."""
+    r = s.restore
+    if r.require_signature and not any(r.trusted_keys.values()):
+        return Check("policy", "WARN", "restore.require-signature is true but restore.trusted-keys names no key: "
+                     "every restore is refused", "list the signers' public keys under restore.trusted-keys")
+    rules = len([ns for ns in s.namespaces if ns != policy.DEFAULT])
+    return Check("policy", "OK", f"{rules} namespace rule(s) besides \"*\"; restores "
+                 + ("need a trusted signature" if r.require_signature else "need no signature") + " (below)")
+
+
+def policy_report(s: Settings) -> list[str]:
+    """The effective checkpoint and restore policy, headed by where it was read from."""
+    source = s.config_file or "the built-in defaults (no --config given)"
+    return [f"policy, from {source}:"] + ["  " + line for line in policy.describe(s)]
+
+
 def deployment_checks(s: Settings, base: list[Check], *, containerd_config: str = CONTAINERD_CONFIG,
                       host_root: str = "/") -> list[Check]:
     """`base` (run_checks) and the installation's checks; a CRI that does not answer FAILs here."""
@@ -484,6 +502,7 @@ def deployment_checks(s: Settings, base: list[Check], *, containerd_config: str 
     out.extend(_handler_checks(s, containerd_config, host_root))
     out.append(_credentials_check(s.devices.kubeconfig, s.devices.enabled and s.devices.taints))
     out.append(_nvml_check())
+    out.append(_policy_check(s))
     return out
 
 
@@ -504,6 +523,8 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser, settings_from: Callabl
             checks = deployment_checks(s, checks, containerd_config=args.containerd_config, host_root=args.host_root)
         for c in checks:
             sys.stdout.write(c.line() + "\n")
+        if args.deployment:
+            sys.stdout.write("".join(line + "\n" for line in policy_report(s)))
         return 1 if any(c.verdict == "FAIL" for c in checks) else 0
 
     p.set_defaults(func=run)

@@ -80,7 +80,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     done = False
     try:
         with os.fdopen(fd, "wb") as fh, Client.of(args) as c:
-            req = pb.ExportRequest(checkpoint_id=args.id, container=args.container, compression=compression_for(out))
+            req = pb.ExportRequest(checkpoint_id=args.id, container=args.container, compression=compression_for(out),
+                                   plaintext=args.plaintext)
             for chunk in c.stream("ExportArchive", req, timeout=args.timeout):
                 fh.write(chunk.data)
             fh.flush()
@@ -167,6 +168,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     where.add_argument("--file", metavar="FILE.tar", help="the archive to write; .tar.gz and .tar.zst compress it")
     # -o meant this file before it meant the output format everywhere; kept for one release.
     where.add_argument("-o", "--output-file", dest="file", action=_DeprecatedFile, help=argparse.SUPPRESS)
+    p.add_argument("--plaintext", action="store_true",
+                   help="export an encrypted checkpoint (archives are plaintext: its secrets leave in the clear)")
     p.add_argument("--timeout", type=float, default=600)
     p.set_defaults(func=cmd_export)
 

@@ -230,14 +230,22 @@ def export_container(
     *,
     compression: str | None = None,
     overwrite: bool = False,
+    plaintext: bool = False,
 ) -> ExportReport:
     """Write one container of a pod checkpoint as a checkpoint archive at `out_path`.
 
     `compression` is "none", "gzip" or "zstd"; by default the name decides
     (`compression_for`). An existing `out_path` is AlreadyExists unless
-    `overwrite`.
+    `overwrite`. Archives are plaintext (other engines read them), so an
+    encrypted checkpoint is exported only with `plaintext`.
     """
     record = store.get(checkpoint_id)
+    record.require_open()
+    if record.key_id and not plaintext:
+        raise errors.FailedPrecondition(
+            f"checkpoint {record.id} is encrypted (key id {record.key_id}) and an archive is plaintext: "
+            "export it with --plaintext to copy its contents out in the clear"
+        )
     c.check_container_name(container, "container")
     _container_entry(record, container)
     compression = compression or compression_for(out_path)

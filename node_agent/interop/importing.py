@@ -37,6 +37,10 @@ from node_agent.interop.plans import Out, foreign_plan, own_plan
 from node_agent.interop.staging import Meter, Staging, free_bytes
 from node_agent.podformat import manifest_annotations
 from node_agent.store import CheckpointRecord, Store
+from node_agent.store.sealing import SealKey
+
+# The key a namespace's checkpoints are encrypted under (None: in the clear).
+SealFor = Callable[[str], SealKey | None]
 
 
 def _default_cpuinfo(criu: str, work: str) -> Callable[[str], None]:
@@ -57,8 +61,11 @@ def _default_cpuinfo(criu: str, work: str) -> Callable[[str], None]:
     return dump
 
 
-def _commit(store: Store, staging: Staging, plan: list[Out], meta: dict[str, Any]) -> CheckpointRecord:
-    with store.writer() as w:
+def _commit(
+    store: Store, staging: Staging, plan: list[Out], meta: dict[str, Any], seal_for: SealFor | None
+) -> CheckpointRecord:
+    seal = seal_for(str(meta["pod"]["namespace"])) if seal_for is not None else None
+    with store.writer(seal=seal) as w:
         for out in sorted(plan, key=lambda o: o.path):
             if out.is_dir:
                 w.add_dir(out.path, mode=out.mode)
@@ -90,6 +97,7 @@ def import_archive(
     cpuinfo_dump: Callable[[str], None] | None = None,
     work_dir: str | None = None,
     limits: c.ImportLimits = c.ImportLimits(),
+    seal_for: SealFor | None = None,
 ) -> CheckpointRecord:
     """Take a container checkpoint archive into the store as a one-container pod checkpoint.
 
@@ -105,7 +113,8 @@ def import_archive(
     directory, and whatever in the configs reaches into the host
     (`node_agent.hostaccess`: mounts outside the pod's own volumes under
     `kubelet_root`, devices, privileged mode, ...) is refused unless
-    `allow_host_access`.
+    `allow_host_access`. `seal_for` gives the key a namespace's checkpoints
+    are encrypted under (None: stored in the clear).
     """
     if namespace is not None:
         c.check_name(namespace, "namespace")
@@ -143,7 +152,7 @@ def import_archive(
                 store, staging, meter, entries, limits, bounds, opts, options or {},
                 cpuinfo_dump or _default_cpuinfo(criu, staging.root), cleanup,
             )
-        record = _commit(store, staging, plan, meta)
+        record = _commit(store, staging, plan, meta, seal_for)
         cleanup.clear()
         return record
     finally:

@@ -32,6 +32,7 @@ from node_agent.config import Settings
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.support import lazy_restore_support
 from node_agent.store import CheckpointRecord, Store
+from node_agent.store.sealing import SealKey
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class LazyRestores:
         session = LazySession(self.settings, where, cname, container_id, record.id, plan_dir,
                               store.root if private is None else private.root,
                               origin=origin, passwords=passwords, hold=hold,
-                              private_store=private is not None, exists=exists)
+                              private_store=private is not None, exists=exists,
+                              seal_key=_seal_key(store, record))
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)
@@ -160,3 +162,14 @@ class LazyRestores:
         task = asyncio.create_task(forget(), name=f"lazy done {session.container_id[:13]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _seal_key(store: Store, record: CheckpointRecord) -> SealKey | None:
+    """The key the page source needs to open an encrypted checkpoint's chunks."""
+    if not record.key_id:
+        return None
+    key = store.keys.key(record.key_id) if store.keys is not None else None
+    if key is None:
+        record.require_open()  # names the key id
+        raise errors.FailedPrecondition(f"checkpoint {record.id}: key {record.key_id} is no longer configured")
+    return key

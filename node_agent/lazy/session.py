@@ -30,6 +30,7 @@ and the transfer goes on.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from node_agent.config import Settings
 from node_agent.lazy.handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
 from node_agent.store.blobs import Ingest
+from node_agent.store.sealing import SealKey
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class LazySession:
     private_store: bool = False
     # Whether the container still exists (CRI); None: not known now.
     exists: Callable[[], Awaitable[bool | None]] | None = None
+    # The key an encrypted checkpoint is sealed under: handed to the source
+    # over its private control socket, never on its command line.
+    seal_key: SealKey | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _source: asyncio.subprocess.Process | None = None
@@ -154,7 +159,9 @@ class LazySession:
             theirs.close()
         self._ctrl = ours
         try:
-            ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords,
+            keys = [] if self.seal_key is None else [
+                {"id": self.seal_key.key_id, "key": base64.b64encode(self.seal_key.secret).decode()}]
+            ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords, "keys": keys,
                                       "registry": self.settings.registry.as_mapping()}) + "\n").encode())
         except OSError:
             pass  # the source is gone already: the guard reports it

@@ -31,6 +31,7 @@ Control channel (inherited Unix stream socket), JSON lines to the agent:
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import logging
@@ -52,6 +53,7 @@ from node_agent.lazy.handler import SOCKET_NAME, Handler
 from node_agent.lazy.kill import kill_container
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import Store
+from node_agent.store.sealing import SealKey, StaticKeyring
 
 log = logging.getLogger("node_agent.lazy.source")
 
@@ -168,6 +170,15 @@ def _released(ctrl: socket.socket) -> bool:
     return not data or b"released" in data
 
 
+def _keys(given: object) -> list[SealKey]:
+    """The encrypted checkpoint's key, as the agent sent it on the control socket."""
+    out = []
+    for item in given if isinstance(given, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("id"), str) and isinstance(item.get("key"), str):
+            out.append(SealKey(item["id"], base64.b64decode(item["key"])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="node-agent-page-source")
     p.add_argument("--store", required=True)
@@ -199,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         # command line (a lazily pulled checkpoint's origin, as the agent read
         # it when the restore began, and the password for its registry).
         config = _read_json_line(ctrl, 30)
-        store = Store(args.store)
+        store = Store(args.store, keys=StaticKeyring(_keys(config.get("keys"))))
         given = config.get("passwords")
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         registry = config.get("registry")

@@ -32,6 +32,9 @@ class BlobSource(Protocol):
 
     def open_blob(self, digest: str) -> BinaryIO: ...
 
+    def referrers(self, subject_id: str, artifact_type: str | None = None) -> Sequence[tuple[str, bytes]]:
+        """(digest, manifest bytes) of the checkpoint's referrers: its signatures."""
+
 
 class BlobImporter(Protocol):
     """One import into the store, holding a lease until it commits or aborts."""
@@ -65,6 +68,9 @@ class BlobSink(Protocol):
     def origins(self) -> OriginBook: ...
 
     def importer(self) -> BlobImporter: ...
+
+    def attach(self, subject_id: str, manifest: bytes, blobs: Mapping[str, bytes]) -> str:
+        """Keep a referrer (a signature) of a published checkpoint, with its blobs."""
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 The manifest is fetched, bounded, checked against its digest and read as
 hostile input; each blob the store lacks is streamed into one store import,
 which verifies it and skips (without a request) the blobs it already holds;
-the import commits the manifest last. A pull that stopped half-way keeps the
-blobs it finished (linked into the store as each one is verified, kept until
-garbage collection), so running it again fetches only the rest; the import's
+the import commits the manifest last, and the checkpoint's signatures
+(fetched and verified before it, ``referrers``) are attached to it. A pull
+that stopped half-way keeps the blobs it finished (linked into the store as
+each one is verified, kept until garbage collection), so running it again
+fetches only the rest; the import's
 staging goes with it (a lazy pull's origin record, which holds no password,
 stays for garbage collection). A pull that fails, is stopped or runs out of
 time is logged as one warning naming the reference and the reason.
@@ -19,6 +21,7 @@ from collections.abc import Callable, Collection, Generator
 from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
 from node_agent.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
+from node_agent.registry import referrers
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
 from node_agent.registry.manifest import parse_manifest
@@ -97,16 +100,19 @@ def _pull(
             tally.report("blobs")
             for blob_digest, size in blobs:
                 _import_blob(session, importer, blob_digest, size, digest, tally)
+            signatures = referrers.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
             tally.report("commit")
             record = importer.commit(manifest, deferred=deferred)
         if not deferred:
             store.origins.settle(digest)
+        for signature in signatures:
+            store.attach(digest, signature.manifest, signature.blobs)
     if record.id != digest:
         raise Internal(f"the store published manifest {digest} as {record.id}")
     tally.report("done")
     log.info(
-        "pulled %s as checkpoint %s: %d blob(s) downloaded (%d bytes), %d already here%s",
-        reference, digest, tally.moved, tally.bytes_moved, tally.skipped,
+        "pulled %s as checkpoint %s: %d blob(s) downloaded (%d bytes), %d already here, %d signature(s)%s",
+        reference, digest, tally.moved, tally.bytes_moved, tally.skipped, len(signatures),
         f", {len(deferred)} left in the registry until needed" if deferred else "",
     )
     return PullReport(digest, tally.moved, tally.skipped, tally.bytes_moved)

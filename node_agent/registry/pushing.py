@@ -3,7 +3,8 @@
 Blobs first (a HEAD on each, an upload only where the registry lacks it),
 the manifest last, so a registry never holds a manifest whose blobs are
 missing, and a push that stopped half-way uploads only what is still missing
-when it is run again. A push that fails, is stopped or runs out of time is
+when it is run again. The checkpoint's referrers (its signatures) follow it
+(``referrers``). A push that fails, is stopped or runs out of time is
 logged as one warning naming the reference and the reason.
 """
 
@@ -18,6 +19,7 @@ from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
 from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE, sha256_digest
+from node_agent.registry import referrers
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSource, ProgressCallback, PushReport
@@ -84,13 +86,25 @@ def _push(
                 _upload(session, store, blob_digest, size, tally)
         tally.report("manifest")
         _put_manifest(session, manifest, digest)
+        referred = _push_referrers(session, store, digest)
     tally.report("done")
     pinned = Reference(reference.registry, reference.repository, reference.tag, digest)
     log.info(
-        "pushed checkpoint %s to %s: %d blob(s) uploaded (%d bytes), %d already there",
-        digest, pinned, tally.moved, tally.bytes_moved, tally.skipped,
+        "pushed checkpoint %s to %s: %d blob(s) uploaded (%d bytes), %d already there, %d referrer(s)",
+        digest, pinned, tally.moved, tally.bytes_moved, tally.skipped, referred,
     )
     return PushReport(digest, str(pinned), tally.moved, tally.skipped, tally.bytes_moved)
+
+
+def _push_referrers(session: Session, store: BlobSource, digest: str) -> int:
+    """The checkpoint's referrers (its signatures) after it: their blobs, then each manifest by digest."""
+    found = store.referrers(digest)
+    for _, manifest in found:
+        for blob in referrers.describe(manifest)[1]:
+            if not _registry_has(session, blob.digest):
+                _upload(session, store, blob.digest, blob.size, Tally(None))
+        referrers.put_referrer(session, manifest, digest)
+    return len(found)
 
 
 def _blob_url(session: Session, digest: str) -> str:

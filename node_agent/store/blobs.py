@@ -34,7 +34,7 @@ from node_agent.errors import (
     ResourceExhausted,
 )
 from node_agent.oci import digest_hex, is_hex_digest
-from node_agent.store import codec
+from node_agent.store import codec, sealing
 from node_agent.store.manifest import Chunk
 
 log = logging.getLogger(__name__)
@@ -204,9 +204,11 @@ def store_lock(lock_path: str, *, exclusive: bool) -> Iterator[None]:
 class BlobStore:
     """The ``blobs/sha256`` directory: paths, verified reads, sizes, linking, deletion."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, keys: sealing.Keyring | None = None) -> None:
         self.parent = os.path.join(root, "blobs")
         self.dir = os.path.join(self.parent, "sha256")
+        # Where sealed blobs' keys come from (none: sealed blobs do not open).
+        self.keys = keys
 
     def setup(self) -> None:
         """Create or tighten the blob directories."""
@@ -233,12 +235,43 @@ class BlobStore:
         return data
 
     def read_chunk(self, chunk: Chunk) -> bytes:
-        """A chunk's content: its blob read, verified and decoded; DataLoss otherwise."""
-        data = self.read(chunk.digest, chunk.stored_size)
+        """A chunk's content: its blob read, verified, opened and decoded.
+
+        DataLoss when the blob is bad; FailedPrecondition naming the key id
+        when it is sealed under a key no source has.
+        """
+        return self.decode_chunk(chunk, self.read(chunk.digest, chunk.stored_size))
+
+    def decode_chunk(self, chunk: Chunk, data: bytes) -> bytes:
+        """The content of a chunk's verified stored bytes (see ``read_chunk``)."""
         try:
-            return codec.decode(data, chunk.encoding, chunk.size)
-        except codec.DecodeError as exc:
+            if chunk.sealed:
+                data = self.unseal(sealing.CHUNK, data, bytes.fromhex(digest_hex(chunk.plain)))
+            return codec.decode(data, chunk.inner_encoding, chunk.size)
+        except (codec.DecodeError, sealing.SealError) as exc:
             raise DataLoss(f"blob {chunk.digest}: {exc}") from None
+
+    def open_config(self, data: bytes, key_id: str = "") -> bytes | None:
+        """A sealed config blob opened; None when no source has its key.
+
+        SealError when it is altered, or sealed under another key than
+        ``key_id`` (the one its manifest names), when given.
+        """
+        named = sealing.key_id_of(data, sealing.CONFIG)
+        if key_id and named != key_id:
+            raise sealing.SealError(f"sealed under key {named}, not {key_id}, which the manifest names")
+        try:
+            return self.unseal(sealing.CONFIG, data)
+        except FailedPrecondition:
+            return None
+
+    def unseal(self, kind: int, data: bytes, plain_digest: bytes = b"") -> bytes:
+        """Sealed bytes opened with the key they name; SealError if bad, FailedPrecondition if no key."""
+        key_id = sealing.key_id_of(data, kind)
+        key = self.keys.key(key_id) if self.keys is not None else None
+        if key is None:
+            raise FailedPrecondition(f"encrypted with key id {key_id}, which no configured key source has")
+        return key.open(kind, data, plain_digest)
 
     def check(self, digest: str, size: int) -> str | None:
         """Verify a stored blob; return the reason it is bad, or None."""
@@ -250,9 +283,11 @@ class BlobStore:
         if problem is not None:
             return problem
         try:
-            codec.decode(data, chunk.encoding, chunk.size)
-        except codec.DecodeError as exc:
-            return f"undecodable ({exc})"
+            self.decode_chunk(chunk, data)
+        except DataLoss as exc:
+            return f"undecodable ({str(exc).removeprefix(f'blob {chunk.digest}: ')})"
+        except FailedPrecondition as exc:
+            return f"unopened ({exc})"
         return None
 
     def _load(self, digest: str, size: int) -> tuple[str | None, bytes]:

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, Final
 
 from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
@@ -51,6 +51,10 @@ from node_agent.store.reading import (
     write_entries,
 )
 from node_agent.store.records import BadBlob, CheckpointRecord, RecoveryReport, created_epoch
+from node_agent.store.referrers import attach as attach_referrer
+from node_agent.store.referrers import listed as listed_referrers
+from node_agent.store.referrers import read_blob as read_referrer_blob
+from node_agent.store.sealing import Keyring, SealKey
 from node_agent.store.writer import CheckpointWriter, ProgressFn, WriterHooks
 
 if TYPE_CHECKING:
@@ -122,6 +126,7 @@ class Store:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         workers: int | None = None,
         writer_hooks: WriterHooks | None = None,
+        keys: Keyring | None = None,
     ) -> None:
         self.chunker = Chunker(chunk_size)
         self.chunk_size = chunk_size
@@ -130,7 +135,9 @@ class Store:
         self.workers = workers or os.cpu_count() or 1
         self.writer_hooks = writer_hooks
         self.root = os.path.abspath(os.fspath(root))
-        self.blobs = BlobStore(self.root)
+        # Sealed checkpoints open with keys from here (store/sealing.py).
+        self.keys = keys
+        self.blobs = BlobStore(self.root, keys)
         self.ingest_dir = os.path.join(self.root, "ingest")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         self.lock_path = os.path.join(self.root, ".lock")
@@ -168,11 +175,15 @@ class Store:
 
     # -- writing and importing ---------------------------------------------------------------
 
-    def writer(self, *, progress: ProgressFn | None = None) -> CheckpointWriter:
-        """Start a new checkpoint (takes a lease in ``ingest/``); see CheckpointWriter for ``progress``."""
+    def writer(self, *, progress: ProgressFn | None = None, seal: SealKey | None = None) -> CheckpointWriter:
+        """Start a new checkpoint (takes a lease in ``ingest/``); see CheckpointWriter for ``progress``.
+
+        With ``seal``, every chunk and the config blob are sealed under that
+        key (store/sealing.py): the checkpoint is encrypted.
+        """
         try:
             return CheckpointWriter(self.blobs, self.index, ingest_dir=self.ingest_dir, chunker=self.chunker,
-                                    workers=self.workers, progress=progress, hooks=self.writer_hooks)
+                                    workers=self.workers, progress=progress, hooks=self.writer_hooks, seal=seal)
         except OSError as exc:
             raise os_error(exc, f"creating a writer in {self.ingest_dir}") from exc
 
@@ -227,7 +238,7 @@ class Store:
         """
         os.mkdir(root, 0o700)
         try:
-            dest = Store(root, chunk_size=self.chunk_size, workers=self.workers)
+            dest = Store(root, chunk_size=self.chunk_size, workers=self.workers, keys=self.keys)
             for digest in sorted(entry_refs(self.blobs, checkpoint.id, "")):
                 src = self.blobs.path(digest)
                 try:
@@ -275,6 +286,7 @@ class Store:
     def open(self, checkpoint: CheckpointRecord | str, path: str) -> FileReader:
         """A random-access reader for one regular file of a checkpoint (a record, or an id)."""
         record = self._as_record(checkpoint)
+        record.require_open()
         normalize_path(path)
         entry = record.entry(path)
         if entry.is_dir:
@@ -289,6 +301,7 @@ class Store:
         bad: they are verified when they arrive.
         """
         record = self.get(checkpoint_id)
+        record.require_open()
         origin = self.origins.get(record.id)
         if origin is not None:
             log.info("checkpoint %s: %d blobs are still only in %s (pulled lazily)", record.id,
@@ -308,6 +321,7 @@ class Store:
         error everything this call created is removed again.
         """
         record = self._as_record(checkpoint)
+        record.require_open()
         entries: Sequence[FileEntry] = record.files
         if prefix:
             normalize_path(prefix)
@@ -334,6 +348,23 @@ class Store:
         finally:
             tree.close()
             os.close(dest_fd)
+
+    def copy(self, checkpoint: CheckpointRecord | str, *, seal: SealKey | None) -> CheckpointRecord:
+        """A new checkpoint with the same files, metadata and annotations, sealed under ``seal`` (None: clear).
+
+        Every chunk is read, verified and written again (re-encrypted): the
+        plaintext passes through memory only. The creation time is kept.
+        """
+        record = self._as_record(checkpoint)
+        record.require_open()
+        with self.writer(seal=seal) as w:
+            for entry in record.files:
+                if entry.is_dir:
+                    w.add_dir(entry.path, mode=entry.mode)
+                    continue
+                with FileReader(self.blobs, record.id, entry, fetch=self.origins.fetch_for(record.id)) as reader:
+                    w.add_reader(entry.path, reader, entry.size, mode=entry.mode)
+            return w.commit(record.metadata, annotations=dict(record.annotations))
 
     # -- moving checkpoints between stores ---------------------------------------------------
 
@@ -364,6 +395,28 @@ class Store:
             os.close(fd)
             raise DataLoss(f"blob {digest} is not a regular file")
         return io.BufferedReader(_VerifyingReader(fd, digest, st.st_size), buffer_size=1 << 20)
+
+    # -- referrers (signatures) ----------------------------------------------------------------
+
+    def attach(self, subject_id: str, manifest: bytes, blobs: Mapping[str, bytes] | None = None) -> str:
+        """Store a referrer (an OCI manifest whose ``subject`` is this checkpoint) and the blobs it names; its digest.
+
+        ``blobs`` (digest: bytes) are the ones the store may lack. All is
+        verified, made durable and published under the exclusive lock while
+        the checkpoint is published; removing the checkpoint removes it too.
+        """
+        return attach_referrer(self.index, self.blobs, self.ingest_dir, self.index.resolve(subject_id), manifest,
+                               blobs or {})
+
+    def referrers(self, subject_id: str, artifact_type: str | None = None) -> builtins.list[tuple[str, bytes]]:
+        """(digest, verified manifest bytes) of every referrer of a checkpoint (of ``artifact_type``, if given)."""
+        text = subject_id.lower().removeprefix("sha256:") if isinstance(subject_id, str) else ""
+        cid = "sha256:" + text if len(text) == 64 else self.index.resolve(subject_id)
+        return listed_referrers(self.index, self.blobs, "sha256:" + digest_hex(cid), artifact_type)
+
+    def read_blob(self, digest: str, size: int) -> bytes:
+        """A small blob (a referrer's, at most 4 MiB) whole, its size and digest verified; DataLoss otherwise."""
+        return read_referrer_blob(self.blobs, digest, size)
 
     # -- removing, collecting, recovering ----------------------------------------------------
 

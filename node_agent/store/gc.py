@@ -7,7 +7,8 @@ for documents that fail validation), nested indexes followed, plus every
 digest a live writer or importer lease names and every digest in the
 quarantine. Retention only picks which published checkpoints to unpublish;
 unpublishing comes first, and the sweep that follows, under the same
-exclusive store lock, removes what nothing reaches. The policy functions do
+exclusive store lock, removes what nothing reaches. A checkpoint's referrer
+records (its signatures) are unpublished with it. The policy functions do
 no I/O; ``entry_refs`` reads blobs; the ``Collector`` does the rest.
 """
 
@@ -29,6 +30,7 @@ from node_agent.store.index import Index, checkpoint_ids
 from node_agent.store.manifest import is_checkpoint_entry
 from node_agent.store.origins import Origins
 from node_agent.store.records import CheckpointRecord, created_epoch
+from node_agent.store.referrers import subject_of, without_orphans
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +191,7 @@ class Collector:
                 kept = [e for e in entries if not (is_checkpoint_entry(e) and e["digest"] == cid)]
                 if len(kept) == len(entries):
                     raise NotFound(f"checkpoint {cid} not found")
+                kept = without_orphans(kept)  # its referrers (signatures) go with it
                 self.index.write(kept)
                 self.origins.forget(cid)
                 removed, freed = self.sweep(kept, dry_run=False)
@@ -211,8 +214,9 @@ class Collector:
                 dropped: list[str] = []
                 if policy is not None:
                     dropped = self._policy_drops(entries, policy, now)
-                kept = [e for e in entries if not (is_checkpoint_entry(e) and e["digest"] in dropped)]
-                if dropped and not dry_run:
+                # A dropped checkpoint's referrers (its signatures) go with it.
+                kept = without_orphans([e for e in entries if not (is_checkpoint_entry(e) and e["digest"] in dropped)])
+                if len(kept) != len(entries) and not dry_run:
                     self.index.write(kept)
                 removed, freed = self.sweep(kept, dry_run=dry_run)
         except OSError as exc:
@@ -240,7 +244,10 @@ class Collector:
         refs = {r.id: entry_refs(self.blobs, r.id, "") for r in records}
         base = self._pinned()
         for entry in entries:
-            if entry["digest"] not in ours:
+            subject = subject_of(entry)
+            if subject in refs:  # a referrer goes with its checkpoint: its blobs count there
+                refs[subject] |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
+            elif entry["digest"] not in ours:
                 base |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
         return select_drops(records, policy, now, refs, self.blobs.sizes(), base)
 

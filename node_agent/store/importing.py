@@ -25,7 +25,16 @@ from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument
 from node_agent.oci import digest_hex, sha256_digest
 from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, BlobStore, Ingest, os_error, write_all
 from node_agent.store.index import Index
-from node_agent.store.manifest import MAX_BLOB_SIZE, check_manifest_matches, decode_config, decode_manifest, index_entry
+from node_agent.store import sealing
+from node_agent.store.manifest import (
+    MAX_BLOB_SIZE,
+    CheckpointConfig,
+    CheckpointManifest,
+    check_manifest_matches,
+    decode_config,
+    decode_manifest,
+    index_entry,
+)
 from node_agent.store.origins import Origins
 
 if TYPE_CHECKING:
@@ -154,8 +163,9 @@ class BlobImporter:
             if not self._ingest.reference(config_desc.digest, config_desc.size):
                 raise FailedPrecondition(f"{where}: config blob {config_desc.digest} is missing; add it first")
             config_bytes = self._blobs.read(config_desc.digest, config_desc.size)
-            config = decode_config(config_bytes, error=InvalidArgument, what=f"{where}: config")
-            check_manifest_matches(doc, config, error=InvalidArgument, what=where)
+            config = self._open_config(doc, config_bytes, where)
+            if config is not None:
+                check_manifest_matches(doc, config, error=InvalidArgument, what=where)
             present = [layer for layer in doc.layers
                        if layer.digest not in deferred or self._blobs.size_of(layer.digest) is not None]
             for layer in present:
@@ -186,6 +196,24 @@ class BlobImporter:
             extra={"checkpoint": record.id},
         )
         return record
+
+    def _open_config(self, doc: CheckpointManifest, data: bytes, where: str) -> CheckpointConfig | None:
+        """The imported config, validated; None for a sealed one whose key is not configured.
+
+        That one is checked when it is first loaded with its key, like every
+        stored document.
+        """
+        if doc.key_id:
+            try:
+                opened = self._blobs.open_config(data, doc.key_id)
+            except sealing.SealError as exc:
+                raise InvalidArgument(f"{where}: config: {exc}") from None
+            if opened is None:
+                log.warning("%s: encrypted with key id %s, which no configured key source has; "
+                            "it is stored and opens once the key is configured", where, doc.key_id)
+                return None
+            data = opened
+        return decode_config(data, error=InvalidArgument, what=f"{where}: config")
 
     def abort(self) -> None:
         """Stop; blobs already verified and linked stay until garbage collection. Idempotent."""

@@ -27,8 +27,10 @@ from typing import Any, Final
 
 from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
 from node_agent.oci import EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, digest_hex
+from node_agent.store import sealing
 from node_agent.store.blobs import BlobStore, fsync_dir, read_bounded, replace_file, store_lock, write_new_file
 from node_agent.store.manifest import (
+    CONFIG_SEALED_MEDIA_TYPE,
     MAX_CONFIG_BYTES,
     MAX_INDEX_BYTES,
     CheckpointConfig,
@@ -166,8 +168,12 @@ class Index:
 
     # -- loading checkpoints -----------------------------------------------------------------
 
-    def documents(self, cid: str) -> tuple[bytes, CheckpointManifest, CheckpointConfig]:
-        """Read and validate a checkpoint's manifest and config blobs (published or not); DataLoss if they fail."""
+    def documents(self, cid: str) -> tuple[bytes, CheckpointManifest, CheckpointConfig | None]:
+        """Read and validate a checkpoint's manifest and config blobs (published or not); DataLoss if they fail.
+
+        The config of a sealed checkpoint is opened with its key; it is None
+        when no key source has that key (the manifest alone is checked then).
+        """
         path = self.blobs.path(cid)
         try:
             data = read_bounded(path, MAX_MANIFEST_BYTES)
@@ -189,6 +195,14 @@ class Index:
         except DataLoss as exc:
             raise DataLoss(f"checkpoint {cid}: config {exc}") from exc
         what = f"checkpoint {cid}: config blob {desc.digest}"
+        if desc.media_type == CONFIG_SEALED_MEDIA_TYPE:
+            try:
+                opened = self.blobs.open_config(config_bytes, manifest.key_id)
+            except sealing.SealError as exc:
+                raise DataLoss(f"{what}: {exc}") from None
+            if opened is None:
+                return data, manifest, None
+            config_bytes = opened
         config = decode_config(config_bytes, error=DataLoss, what=what)
         check_manifest_matches(manifest, config, error=DataLoss, what=f"checkpoint {cid}: manifest {path}")
         return data, manifest, config
@@ -198,17 +212,25 @@ class Index:
         _, manifest, config = self.documents(cid)
         return self.record(cid, manifest, config)
 
-    def record(self, manifest_digest: str, manifest: CheckpointManifest, config: CheckpointConfig) -> CheckpointRecord:
-        """The record of validated documents (a writer's or an importer's, or ones just loaded)."""
+    def record(
+        self, manifest_digest: str, manifest: CheckpointManifest, config: CheckpointConfig | None
+    ) -> CheckpointRecord:
+        """The record of validated documents (a writer's or an importer's, or ones just loaded).
+
+        Without a config (a sealed checkpoint whose key is not configured) the
+        record is ``locked``: only the manifest's clear annotations and sizes.
+        """
         return CheckpointRecord(
             id=manifest_digest,
             created=manifest.created,
-            metadata=MappingProxyType(dict(config.metadata)),
-            files=config.files,
-            size=sum(e.size for e in config.files),
+            metadata=MappingProxyType(dict(config.metadata) if config is not None else {}),
+            files=config.files if config is not None else (),
+            size=sum(e.size for e in config.files) if config is not None else -1,
             stored_size=sum(layer.size for layer in manifest.layers if layer != EMPTY_DESCRIPTOR),
             manifest_path=self.blobs.path(manifest_digest),
             annotations=manifest.annotations,
+            key_id=manifest.key_id,
+            locked=config is None,
         )
 
     # -- quarantine and rebuilding (exclusive lock held) -------------------------------------

@@ -42,6 +42,12 @@ OCI_LAYOUT_VERSION: Final = "1.0.0"
 CONFIG_MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.config.v1+json"
 CHUNK_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1"
 CHUNK_ZSTD_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1+zstd"
+# Sealed (encrypted) chunks and config blobs: store/sealing.py. One media type
+# for every sealed chunk, compressed or not: the encoding is in the sealed config.
+CHUNK_SEALED_MEDIA_TYPE: Final = "application/vnd.node-agent.chunk.v1+encrypted"
+CONFIG_SEALED_MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.config.v1+json+encrypted"
+# The key id a sealed checkpoint's blobs are sealed under (also in each blob's header).
+KEY_ID_ANNOTATION: Final = "io.node-agent.key-id"
 CREATED_ANNOTATION: Final = "org.opencontainers.image.created"
 
 # Kept for callers of the first store format's names.
@@ -50,8 +56,13 @@ MEDIA_TYPE: Final = ARTIFACT_TYPE
 
 IDENTITY: Final = "identity"
 ZSTD: Final = "zstd"
-SUPPORTED_ENCODINGS: Final = frozenset({IDENTITY, ZSTD})
-CHUNK_MEDIA_TYPES: Final = MappingProxyType({IDENTITY: CHUNK_MEDIA_TYPE, ZSTD: CHUNK_ZSTD_MEDIA_TYPE})
+SEALED: Final = "sealed"
+SEALED_ZSTD: Final = "sealed+zstd"
+SUPPORTED_ENCODINGS: Final = frozenset({IDENTITY, ZSTD, SEALED, SEALED_ZSTD})
+SEALED_ENCODINGS: Final = MappingProxyType({IDENTITY: SEALED, ZSTD: SEALED_ZSTD})
+CHUNK_MEDIA_TYPES: Final = MappingProxyType({IDENTITY: CHUNK_MEDIA_TYPE, ZSTD: CHUNK_ZSTD_MEDIA_TYPE,
+                                             SEALED: CHUNK_SEALED_MEDIA_TYPE, SEALED_ZSTD: CHUNK_SEALED_MEDIA_TYPE})
+CONFIG_MEDIA_TYPES: Final = frozenset({CONFIG_MEDIA_TYPE, CONFIG_SEALED_MEDIA_TYPE})
 
 # -- bounds --------------------------------------------------------------------------------
 
@@ -68,12 +79,14 @@ MAX_MODE: Final = 0o7777
 MAX_ANNOTATIONS: Final = 1024
 MAX_ANNOTATION_BYTES: Final = 64 << 10
 
+_KEY_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _CREATED_RE: Final = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z")
 _MANIFEST_KEYS: Final = frozenset({"schemaVersion", "mediaType", "artifactType", "config", "layers", "annotations"})
 _CONFIG_KEYS: Final = frozenset({"metadata", "files"})
 _FILE_KEYS: Final = frozenset({"path", "type", "mode", "size", "chunks"})
 _DIR_KEYS: Final = frozenset({"path", "type", "mode"})
 _CHUNK_KEYS: Final = frozenset({"digest", "offset", "size", "stored_size", "encoding"})
+_SEALED_CHUNK_KEYS: Final = _CHUNK_KEYS | {"plain"}
 _INDEX_KEYS: Final = frozenset({"schemaVersion", "mediaType", "manifests", "annotations", "artifactType", "subject"})
 
 EntryType = Literal["file", "dir"]
@@ -87,7 +100,10 @@ class Chunk:
     """A byte range ``[offset, offset + size)`` of a file, stored as one blob.
 
     ``digest`` and ``stored_size`` describe the stored bytes (compressed when
-    ``encoding`` is ``"zstd"``); ``size`` is the uncompressed length.
+    ``encoding`` is ``"zstd"``, sealed and perhaps compressed when it is
+    ``"sealed"`` or ``"sealed+zstd"``); ``size`` is the uncompressed length.
+    ``plain`` is a sealed chunk's plaintext digest (kept in the sealed
+    config only; its key derives from it).
     """
 
     digest: str
@@ -95,6 +111,17 @@ class Chunk:
     offset: int
     encoding: str = IDENTITY
     stored_size: int = -1
+    plain: str = ""
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the blob is sealed (store/sealing.py)."""
+        return self.encoding in (SEALED, SEALED_ZSTD)
+
+    @property
+    def inner_encoding(self) -> str:
+        """How the bytes inside the seal are encoded: identity or zstd."""
+        return ZSTD if self.encoding in (ZSTD, SEALED_ZSTD) else IDENTITY
 
     def __post_init__(self) -> None:
         if self.stored_size < 0:
@@ -109,13 +136,9 @@ class Chunk:
 
     def to_json(self) -> dict[str, Any]:
         """The chunk's record in the config's file table."""
-        return {
-            "digest": self.digest,
-            "offset": self.offset,
-            "size": self.size,
-            "stored_size": self.stored_size,
-            "encoding": self.encoding,
-        }
+        out = {"digest": self.digest, "offset": self.offset, "size": self.size, "stored_size": self.stored_size,
+               "encoding": self.encoding}
+        return {**out, "plain": self.plain} if self.sealed else out
 
 
 @dataclass(frozen=True)
@@ -166,6 +189,11 @@ class CheckpointManifest:
     def created(self) -> str:
         """The RFC 3339 creation time (from the ``org.opencontainers.image.created`` annotation)."""
         return self.annotations[CREATED_ANNOTATION]
+
+    @property
+    def key_id(self) -> str:
+        """The key a sealed checkpoint's blobs are sealed under; "" when it is not sealed."""
+        return self.annotations[KEY_ID_ANNOTATION] if self.config.media_type == CONFIG_SEALED_MEDIA_TYPE else ""
 
 
 # -- small helpers ----------------------------------------------------------------------------
@@ -409,7 +437,7 @@ def _validate_manifest(doc: object) -> CheckpointManifest:
     if doc["artifactType"] != ARTIFACT_TYPE:
         raise _Invalid(f"unsupported artifactType {doc['artifactType']!r}")
     config = _descriptor("config", doc["config"])
-    if config.media_type != CONFIG_MEDIA_TYPE:
+    if config.media_type not in CONFIG_MEDIA_TYPES:
         raise _Invalid(f"config: unsupported mediaType {config.media_type!r}")
     if config.size > MAX_CONFIG_BYTES:
         raise _Invalid(f"config: {config.size} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit")
@@ -423,11 +451,22 @@ def _validate_manifest(doc: object) -> CheckpointManifest:
         raise _Invalid(str(exc)) from None
     if not is_created(annotations.get(CREATED_ANNOTATION)):
         raise _Invalid(f"annotation {CREATED_ANNOTATION} is missing or not an RFC 3339 UTC timestamp")
+    if config.media_type == CONFIG_SEALED_MEDIA_TYPE and not _KEY_ID_RE.fullmatch(annotations.get(KEY_ID_ANNOTATION, "")):
+        raise _Invalid(f"a sealed checkpoint needs the annotation {KEY_ID_ANNOTATION} (a key id)")
     return CheckpointManifest(config=config, layers=layers, annotations=MappingProxyType(annotations))
 
 
 def check_layers(manifest: CheckpointManifest, config: CheckpointConfig) -> None:
-    """Require the manifest's layers to be exactly the config's distinct chunk blobs, in order."""
+    """Require the manifest's layers to be exactly the config's distinct chunk blobs, in order.
+
+    A sealed checkpoint's chunks are all sealed, and an unsealed one's none.
+    """
+    sealed = manifest.config.media_type == CONFIG_SEALED_MEDIA_TYPE
+    for entry in config.files:
+        for chunk in entry.chunks:
+            if chunk.sealed != sealed:
+                state = "sealed" if sealed else "not sealed"
+                raise _Invalid(f"{entry.path}: chunk at {chunk.offset} is {chunk.encoding}, the checkpoint is {state}")
     want = layers_for(config.files)
     if manifest.layers != want:
         if len(manifest.layers) != len(want):
@@ -462,13 +501,13 @@ def _validate_config(doc: object) -> CheckpointConfig:
         raise _Invalid("files is not a list")
     if len(files) > MAX_ENTRIES:
         raise _Invalid(f"{len(files)} entries exceeds the limit of {MAX_ENTRIES}")
-    blobs: dict[str, tuple[int, int, str]] = {}
+    blobs: dict[str, tuple[int, int, str, str]] = {}
     entries = tuple(_validate_entry(i, raw, blobs) for i, raw in enumerate(files))
     check_tree(entries)
     return CheckpointConfig(metadata=MappingProxyType(metadata), files=entries)
 
 
-def _validate_entry(index: int, raw: object, blobs: dict[str, tuple[int, int, str]]) -> FileEntry:
+def _validate_entry(index: int, raw: object, blobs: dict[str, tuple[int, int, str, str]]) -> FileEntry:
     if not isinstance(raw, dict):
         raise _Invalid(f"files[{index}] is not an object")
     path = raw.get("path")
@@ -500,7 +539,7 @@ def _validate_entry(index: int, raw: object, blobs: dict[str, tuple[int, int, st
         chunk = _validate_chunk(f"{where} chunks[{j}]", rc)
         if chunk.offset != offset:
             raise _Invalid(f"{where} chunks[{j}]: offset {chunk.offset} is not contiguous (expected {offset})")
-        shape = (chunk.size, chunk.stored_size, chunk.encoding)
+        shape = (chunk.size, chunk.stored_size, chunk.encoding, chunk.plain)
         if blobs.setdefault(chunk.digest, shape) != shape:
             raise _Invalid(f"{where} chunks[{j}]: blob {chunk.digest} is used with different sizes or encodings")
         offset += chunk.size
@@ -513,8 +552,9 @@ def _validate_entry(index: int, raw: object, blobs: dict[str, tuple[int, int, st
 def _validate_chunk(where: str, raw: object) -> Chunk:
     if not isinstance(raw, dict):
         raise _Invalid(f"{where}: not an object")
-    if set(raw) != _CHUNK_KEYS:
-        raise _Invalid(f"{where}: a chunk has exactly the keys {sorted(_CHUNK_KEYS)}, not {sorted(raw)}")
+    keys = _SEALED_CHUNK_KEYS if raw.get("encoding") in (SEALED, SEALED_ZSTD) else _CHUNK_KEYS
+    if set(raw) != keys:
+        raise _Invalid(f"{where}: a chunk has exactly the keys {sorted(keys)}, not {sorted(raw)}")
     digest = raw["digest"]
     try:
         digest_hex(digest)
@@ -531,7 +571,14 @@ def _validate_chunk(where: str, raw: object) -> Chunk:
         raise _Invalid(f"{where}: stored_size {stored!r} is not an integer in [1, {MAX_STORED_CHUNK_SIZE}]")
     if encoding == IDENTITY and stored != size:
         raise _Invalid(f"{where}: an identity chunk's stored_size {stored} differs from its size {size}")
-    return Chunk(digest=digest, size=size, offset=offset, encoding=encoding, stored_size=stored)
+    if encoding == SEALED and stored <= size:
+        raise _Invalid(f"{where}: a sealed chunk's stored_size {stored} is not above its size {size}")
+    plain = raw.get("plain", "")
+    try:
+        digest_hex(plain) if plain else None
+    except InvalidArgument as exc:
+        raise _Invalid(f"{where}: plain: {exc}") from None
+    return Chunk(digest=digest, size=size, offset=offset, encoding=encoding, stored_size=stored, plain=plain)
 
 
 def check_tree(entries: Sequence[FileEntry]) -> None:

@@ -20,11 +20,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
-from node_agent.store import codec
+from node_agent.store import codec, sealing
 from node_agent.store.blobs import Ingest
 from node_agent.store.chunking import Chunker
+from node_agent.store.manifest import SEALED_ENCODINGS
 
 SEGMENT_SIZE: Final = 8 << 20
 _FLUSHERS: Final = 2
@@ -38,6 +39,7 @@ class StoredChunk:
     stored_size: int
     encoding: str
     new: bool
+    plain: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,15 @@ class _Segment:
             self._budget.give(buf)
 
 
-def fill(fd: int, buf: memoryview) -> int:
-    """Read into ``buf`` until it is full or the file ends; return the count."""
+class Readable(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def fill(src: int | Readable, buf: memoryview) -> int:
+    """Read into ``buf`` from a file descriptor or a reader until it is full or the source ends; return the count."""
     got = 0
     while got < len(buf):
-        n = os.readv(fd, [buf[got:]])
+        n = os.readv(src, [buf[got:]]) if isinstance(src, int) else src.readinto(buf[got:]) or 0
         if n == 0:
             break
         got += n
@@ -122,8 +128,9 @@ def fill(fd: int, buf: memoryview) -> int:
 class ChunkPipeline:
     """Turns file contents into stored chunks for one writer, on ``workers`` threads."""
 
-    def __init__(self, chunker: Chunker, ingest: Ingest, workers: int) -> None:
+    def __init__(self, chunker: Chunker, ingest: Ingest, workers: int, seal: sealing.SealKey | None = None) -> None:
         self._chunker = chunker
+        self._seal = seal
         self._ingest = ingest
         self._workers = max(1, workers)
         segment = max(SEGMENT_SIZE, chunker.max_size)
@@ -159,8 +166,10 @@ class ChunkPipeline:
         for future in flushes:
             future.result()
 
-    def add_fd(self, fd: int, size_hint: int, on_segment: Callable[[], None] | None = None) -> list[PendingChunk]:
-        """Read ``fd`` to its end and queue its chunks; ``size_hint`` sizes the reads.
+    def add_fd(
+        self, fd: int | Readable, size_hint: int, on_segment: Callable[[], None] | None = None
+    ) -> list[PendingChunk]:
+        """Read ``fd`` (a descriptor or a reader) to its end and queue its chunks; ``size_hint`` sizes the reads.
 
         OSError from reading propagates; a worker's failure is raised here
         as soon as the reader notices it, and by the chunk's future.
@@ -219,11 +228,16 @@ class ChunkPipeline:
         try:
             view = memoryview(seg.buf)[start : start + length]
             stored, encoding = codec.encode(view)
+            plain = ""
+            if self._seal is not None:
+                raw = sealing.plain_digest(view)
+                stored = self._seal.seal(sealing.CHUNK, stored, raw)
+                encoding, plain = SEALED_ENCODINGS[encoding], "sha256:" + raw.hex()
             digest = "sha256:" + hashlib.sha256(stored).hexdigest()
             new = self._ingest.put(digest, stored)
             if new:
                 self._flush(digest)
-            result = StoredChunk(digest=digest, stored_size=len(stored), encoding=encoding, new=new)
+            result = StoredChunk(digest=digest, stored_size=len(stored), encoding=encoding, new=new, plain=plain)
             del view, stored
         except BaseException as exc:
             with self._lock:

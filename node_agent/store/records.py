@@ -13,7 +13,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from node_agent.errors import NotFound
+from node_agent.errors import FailedPrecondition, NotFound
 from node_agent.store.manifest import FileEntry
 
 
@@ -35,7 +35,10 @@ class CheckpointRecord:
 
     ``id`` is the manifest's digest. ``size`` is the sum of the file sizes,
     ``stored_size`` the sum of the distinct chunk blobs' stored sizes.
-    ``manifest_path`` is the manifest blob's path.
+    ``manifest_path`` is the manifest blob's path. ``key_id`` names the key
+    a sealed checkpoint is sealed under ("" when it is not). ``locked``: its
+    key is not configured, so only what the manifest says in the clear is
+    known: ``metadata`` is empty, ``files`` is empty and ``size`` is -1.
     """
 
     id: str
@@ -46,6 +49,15 @@ class CheckpointRecord:
     stored_size: int
     manifest_path: str
     annotations: Mapping[str, str] = field(default_factory=_no_annotations)
+    key_id: str = ""
+    locked: bool = False
+
+    def require_open(self) -> None:
+        """FailedPrecondition naming the key id when the checkpoint's key is not configured."""
+        if self.locked:
+            raise FailedPrecondition(
+                f"checkpoint {self.id} is encrypted with key id {self.key_id}, which no configured key source has"
+            )
 
     def entry(self, path: str) -> FileEntry:
         """The entry at ``path``; NotFound if absent."""

@@ -7,8 +7,9 @@ files; a checkpoint whose manifest or config fails to load is unpublished
 and its index record and manifest bytes are kept under ``quarantine/``
 (their blobs stay reachable from there); an unreadable ``index.json`` is
 moved to the quarantine and rebuilt from the manifest blobs found in the
-store; then the usual sweep deletes the blobs nothing reaches. Safe while
-other writers run: live leases and what they reference are kept.
+store (with the referrers of the checkpoints found); then the usual sweep
+deletes the blobs nothing reaches. Safe while other writers run: live
+leases and what they reference are kept.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from node_agent.store.gc import Collector
 from node_agent.store.index import INDEX_NAME, Index
 from node_agent.store.manifest import is_checkpoint_entry
 from node_agent.store.records import RecoveryReport
+from node_agent.store.referrers import rediscover
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ def recover(index: Index, blobs: BlobStore, collector: Collector, *, ingest_dir:
                 index.quarantine_index(str(exc))
                 quarantined.append(INDEX_NAME)
                 entries = index.rebuild()
+                entries += rediscover(blobs, entries)  # the checkpoints' signatures come back too
                 rebuilt = True
             kept: list[dict[str, Any]] = []
             for entry in entries:

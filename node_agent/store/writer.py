@@ -29,9 +29,12 @@ from node_agent.oci import EMPTY_BLOB, EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, Des
 from node_agent.store.blobs import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, BlobStore, Ingest, os_error
 from node_agent.store.chunking import Chunker
 from node_agent.store.index import Index
+from node_agent.store import sealing
 from node_agent.store.manifest import (
     CONFIG_MEDIA_TYPE,
+    CONFIG_SEALED_MEDIA_TYPE,
     CREATED_ANNOTATION,
+    KEY_ID_ANNOTATION,
     MAX_CONFIG_BYTES,
     MAX_ENTRIES,
     Chunk,
@@ -48,7 +51,8 @@ from node_agent.store.manifest import (
     layers_for,
     normalize_path,
 )
-from node_agent.store.pipeline import ChunkPipeline, PendingChunk
+from node_agent.store.pipeline import ChunkPipeline, PendingChunk, Readable
+from node_agent.store.sealing import SealKey
 
 if TYPE_CHECKING:
     from node_agent.store.records import CheckpointRecord
@@ -132,8 +136,10 @@ class CheckpointWriter:
         workers: int,
         progress: ProgressFn | None = None,
         hooks: WriterHooks | None = None,
+        seal: SealKey | None = None,
     ) -> None:
         self._index = index
+        self._seal = seal
         self._progress = progress
         self._hooks = hooks
         if hooks is not None:
@@ -143,7 +149,7 @@ class CheckpointWriter:
         except BaseException:
             self._let_go()
             raise
-        self._pipeline = ChunkPipeline(chunker, self._ingest, workers)
+        self._pipeline = ChunkPipeline(chunker, self._ingest, workers, seal)
         self._entries: dict[str, FileEntry | _PendingFile] = {}
         self._total = 0
         self._expected = 0
@@ -225,6 +231,19 @@ class CheckpointWriter:
         chunks = self._pipeline.add_buffer(data)
         self._entries[path] = _PendingFile(path, mode, chunks, len(data))
         self._total += len(data)
+        self._report()
+
+    def add_reader(self, path: str, reader: Readable, size: int, *, mode: int = 0o600) -> None:
+        """Add the regular file ``path`` from a reader (of ``size`` bytes, as expected; what it gives counts)."""
+        self._check_open()
+        path = self._new_path(path)
+        _check_mode(mode, path)
+        self._expected += size
+        with self._poison_on_error():
+            chunks = self._pipeline.add_fd(reader, size, self._report)
+        got = sum(c.size for c in chunks)
+        self._entries[path] = _PendingFile(path, mode, chunks, got)
+        self._total += got
         self._report()
 
     def add_dir(self, path: str, *, mode: int = 0o700) -> None:
@@ -389,6 +408,7 @@ class CheckpointWriter:
                         offset=pending.offset,
                         encoding=done.encoding,
                         stored_size=done.stored_size,
+                        plain=done.plain,
                     )
                 )
             out.append(FileEntry(path=item.path, type="file", mode=item.mode, size=item.size, chunks=tuple(chunks)))
@@ -419,7 +439,14 @@ class CheckpointWriter:
             if len(config_bytes) > MAX_CONFIG_BYTES:
                 raise InvalidArgument(f"config of {len(config_bytes)} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit")
             config = decode_config(config_bytes, error=InvalidArgument, what="new config")
-            config_desc = Descriptor(CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
+            if self._seal is not None:
+                # The config names every chunk's plaintext digest: it is sealed too.
+                config_bytes = self._seal.seal(sealing.CONFIG, config_bytes, sealing.plain_digest(config_bytes))
+                config_desc = Descriptor(CONFIG_SEALED_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
+                notes[KEY_ID_ANNOTATION] = self._seal.key_id
+            else:
+                notes.pop(KEY_ID_ANNOTATION, None)
+                config_desc = Descriptor(CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
             layers = layers_for(entries)
             data = encode_manifest(config_desc, layers, notes)
             if len(data) > MAX_MANIFEST_BYTES:

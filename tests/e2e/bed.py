@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -14,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from node_agent.cri import CriClient
 
@@ -122,6 +123,23 @@ class Bed:
                 return "".join(fh.readlines()[-n:])
         except OSError:
             return ""
+
+
+@contextlib.contextmanager
+def reconfigured(bed: Bed, extra: str) -> Iterator[Bed]:
+    """The bed's agent restarted with `extra` (YAML keys the config does not have yet) appended to its
+    config; afterwards restarted with the config as it was."""
+    config = Path(bed.config)
+    original = config.read_text()
+    bed.stop_agent()
+    config.write_text(original + extra)
+    try:
+        bed.start_agent()
+        yield bed
+    finally:
+        bed.stop_agent()
+        config.write_text(original)
+        bed.start_agent()
 
 
 def testbed(*args: str, timeout: float = 600) -> str:

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e.bed import CONTAINERD17, Bed, bring_up, testbed
+from tests.e2e.bed import CONTAINERD17, Bed, bring_up, reconfigured, testbed
 from tests.e2e.tap import EventTap
 
 BED_NAME = os.environ.get("NODE_AGENT_E2E_BED", "na-e2e")
@@ -55,6 +55,14 @@ def agent(request: pytest.FixtureRequest) -> Iterator[Bed]:
     yield bed
     if bed.agent is None or bed.agent.poll() is not None:
         bed.start_agent()
+
+
+@pytest.fixture
+def allow_foreign(agent: Bed) -> Iterator[Bed]:
+    """The agent with `restore: {allow-foreign: true}`, for tests that restore other engines' archives
+    (refused by default)."""
+    with reconfigured(agent, "restore:\n  allow-foreign: true\n"):
+        yield agent
 
 
 @pytest.fixture(scope="session")

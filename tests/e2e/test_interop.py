@@ -167,6 +167,7 @@ def _busybox_tarball() -> str:
     return found[-1]
 
 
+@pytest.mark.usefixtures("allow_foreign")  # a Podman archive: restored only with restore.allow-foreign
 def test_podman_checkpoint_restored_as_a_pod(agent: Bed, podman: Podman, tmp_path: Path) -> None:
     image = agent.info["images"]["busybox"]
     loaded = podman("load", "-i", _busybox_tarball())

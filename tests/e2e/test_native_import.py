@@ -119,6 +119,7 @@ def lines(path: str) -> list[list[str]]:
     return out
 
 
+@pytest.mark.usefixtures("allow_foreign")  # containerd's archive: restored only with restore.allow-foreign
 @pytest.mark.parametrize("pid_mode", [CONTAINER, POD], ids=["own-pid-namespace", "pod-pid-namespace"])
 def test_native_archive_restores_the_same_python_process(agent: Bed, tmp_path: Path, pid_mode: int) -> None:
     debian = agent.info["images"]["debian"]

@@ -90,6 +90,7 @@ node:            node-a
 criu_version:    4.2
 size:            3.0MiB (stored 1.0MiB)
 frozen_ms:       123.5
+encryption:      none
 options:         file-locks=true, tcp-established=true
 containers:
   app: image nginx:1, 2.0KiB, dump 40 ms, log containers/app/dump.log
@@ -102,8 +103,8 @@ DEFAULTS = [
     (["restore", CKPT[:19]], RESTORE_TEXT),
     (["checkpoints", "inspect", CKPT[:19]], INSPECT_TEXT),
     (["checkpoints", "ls"],
-     "ID                   POD        CONTAINERS  CREATED              SIZE    FROZEN_MS\n"
-     "sha256:abababababab  shop/cart  app         2024-05-01 10:20:30  3.0MiB  123\n"),
+     "ID                   POD        CONTAINERS  CREATED              SIZE    FROZEN_MS  KEY\n"
+     "sha256:abababababab  shop/cart  app         2024-05-01 10:20:30  3.0MiB  123        -\n"),
     (["checkpoints", "verify", CKPT], f"{CKPT}: OK (7 blobs)\n"),
     (["checkpoints", "rm", CKPT], f"{CKPT}\n"),
     (["gc"], f"removed {CKPT}\nremoved 1 checkpoint(s) and 4 blob(s), 9.0MiB; 2 checkpoint(s) kept\n"),

@@ -219,7 +219,7 @@ def test_output_store_abandoned_writer_stops_and_is_waited_for(tmp_path: Any) ->
     assert _caller_dir("output_path", str(out), str(tmp_path / "store")) == str(out)
 
     writers = _OutputWriters()
-    store = _open_store(str(out), writers)
+    store = _open_store(str(out), None, writers)
     assert (out.stat().st_mode & 0o777) == 0o755, "the caller's directory keeps its mode"
     src = tmp_path / "src"
     src.mkdir()

@@ -124,7 +124,7 @@ class ContainerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., id: _Optional[str] = ..., image: _Optional[str] = ..., image_ref: _Optional[str] = ..., size: _Optional[int] = ..., dump_log: _Optional[str] = ..., dump_ms: _Optional[float] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node", "pre_dump", "annotations")
+    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node", "pre_dump", "annotations", "key_id", "locked")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,8 @@ class CheckpointInfo(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     PRE_DUMP_FIELD_NUMBER: _ClassVar[int]
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_FIELD_NUMBER: _ClassVar[int]
     id: str
     pod_namespace: str
     pod_name: str
@@ -169,7 +171,9 @@ class CheckpointInfo(_message.Message):
     node: str
     pre_dump: bool
     annotations: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ..., pre_dump: _Optional[bool] = ..., annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    key_id: str
+    locked: bool
+    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ..., pre_dump: _Optional[bool] = ..., annotations: _Optional[_Mapping[str, str]] = ..., key_id: _Optional[str] = ..., locked: _Optional[bool] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("pod_namespace", "pod_name")
@@ -230,6 +234,28 @@ class VerifyCheckpointResponse(_message.Message):
     bad_blobs: _containers.RepeatedCompositeFieldContainer[BadBlob]
     blobs_checked: int
     def __init__(self, checkpoint_id: _Optional[str] = ..., ok: _Optional[bool] = ..., bad_blobs: _Optional[_Iterable[_Union[BadBlob, _Mapping]]] = ..., blobs_checked: _Optional[int] = ...) -> None: ...
+
+class RekeyCheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "replace")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    replace: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class RekeyCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "key_id", "previous_id", "previous_key_id", "replaced")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    key_id: str
+    previous_id: str
+    previous_key_id: str
+    replaced: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., key_id: _Optional[str] = ..., previous_id: _Optional[str] = ..., previous_key_id: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
 class GarbageCollectRequest(_message.Message):
     __slots__ = ("dry_run",)
@@ -310,16 +336,18 @@ class TransferEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "container", "output_path", "compression")
+    __slots__ = ("checkpoint_id", "container", "output_path", "compression", "plaintext")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_PATH_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PLAINTEXT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     container: str
     output_path: str
     compression: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., container: _Optional[str] = ..., output_path: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
+    plaintext: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., container: _Optional[str] = ..., output_path: _Optional[str] = ..., compression: _Optional[str] = ..., plaintext: _Optional[bool] = ...) -> None: ...
 
 class ArchiveChunk(_message.Message):
     __slots__ = ("data",)

@@ -65,6 +65,11 @@ class NodeAgentStub:
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.FromString,
                 _registered_method=True)
+        self.RekeyCheckpoint = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/RekeyCheckpoint',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointResponse.FromString,
+                _registered_method=True)
         self.GarbageCollect = channel.unary_unary(
                 '/nodeagent.v1.NodeAgent/GarbageCollect',
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.SerializeToString,
@@ -151,6 +156,14 @@ class NodeAgentServicer:
 
     def VerifyCheckpoint(self, request, context):
         """Check every blob of a checkpoint; names each bad one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RekeyCheckpoint(self, request, context):
+        """A copy of a checkpoint sealed under its key domain's newest key (and
+        signed anew); the old one is removed only when asked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -254,6 +267,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.VerifyCheckpoint,
                     request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.FromString,
                     response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.SerializeToString,
+            ),
+            'RekeyCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RekeyCheckpoint,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointResponse.SerializeToString,
             ),
             'GarbageCollect': grpc.unary_unary_rpc_method_handler(
                     servicer.GarbageCollect,
@@ -463,6 +481,33 @@ class NodeAgent:
             '/nodeagent.v1.NodeAgent/VerifyCheckpoint',
             nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointRequest.SerializeToString,
             nodeagent_dot_v1_dot_nodeagent__pb2.VerifyCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RekeyCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/RekeyCheckpoint',
+            nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.RekeyCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
