@@ -5,8 +5,10 @@ their order of precedence: for each domain, the first source that has it
 supplies the key new checkpoints use (its first key: the newest); a key id
 is looked up in every source, the first that has it winning. A keyring file
 or mounted Secret is re-read when it changes (checked at most once a
-second), a KMS plugin every ``refresh-interval`` and when a key id is asked
-for that no source has (at most once per ``_MISS_RETRY`` seconds). A source
+second), a KMS plugin at start, before a checkpoint is sealed once
+``refresh-interval`` has passed since its last run (never in the middle of
+reading blobs), and when a key id is asked for that no source has (at most
+once per ``_MISS_RETRY`` seconds). A source
 that stops reading keeps its last good keys and says why in the log; one
 that has never read refuses to let a checkpoint of any domain go out in the
 clear. Key bytes are never logged or shown.
@@ -113,16 +115,16 @@ class _Source:
     def name(self) -> str:
         return f"{self.config.kind} {self.config.where}"
 
-    def refresh(self, *, interval: float, missing: bool = False) -> bool:
-        """Re-read if due; whether the keys changed."""
+    def refresh(self, *, interval: float, missing: bool = False, reading: bool = False) -> bool:
+        """Re-read if due; whether the keys changed. ``reading``: for a blob being read, a plugin runs only on a miss."""
         now = self.clock()
         if self.config.exec:
-            due = now - self._ran >= interval or (missing and now - self._ran >= _MISS_RETRY)
+            due = (now - self._ran >= interval and not reading) or (missing and now - self._ran >= _MISS_RETRY)
             if not due:
                 return False
             self._ran = now
             return self._take(self._run)
-        if now - self._checked < _STAT_EVERY and not (missing and now - self._checked >= _STAT_EVERY):
+        if now - self._checked < _STAT_EVERY:
             return False
         self._checked = now
         try:
@@ -199,12 +201,12 @@ class Keys:
                 fallback = name
         return fallback or namespace
 
-    def refresh(self, *, missing: bool = False) -> None:
+    def refresh(self, *, missing: bool = False, reading: bool = False) -> None:
         """Re-read the sources that are due (see the module's rule)."""
         with self._lock:
             changed = False
             for source in self._sources:
-                changed |= source.refresh(interval=self.settings.refresh_interval, missing=missing)
+                changed |= source.refresh(interval=self.settings.refresh_interval, missing=missing, reading=reading)
             if changed or (missing and not self._by_id):
                 by_id: dict[str, SealKey] = {}
                 for source in self._sources:
@@ -217,8 +219,12 @@ class Keys:
                 self._by_id = by_id
 
     def key(self, key_id: str) -> SealKey | None:
-        """The key with this id from any source, or None."""
-        self.refresh()
+        """The key with this id from any source, or None.
+
+        Called for every sealed blob read: files are checked (at most once a
+        second), a plugin is asked only when no source has the id.
+        """
+        self.refresh(reading=True)
         found = self._by_id.get(key_id)
         if found is None and self._sources:
             self.refresh(missing=True)
