@@ -41,6 +41,7 @@ IDENT_BYTES: Final = 32
 KEY_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _LABELS: Final = {CHUNK: b"node-agent chunk v1\0", CONFIG: b"node-agent config v1\0"}
 _KEY_LABEL: Final = b"node-agent key v1\0"
+_INTO: Final = hasattr(AESGCM, "encrypt_into")
 
 
 class SealError(ValueError):
@@ -82,11 +83,21 @@ class SealKey:
     def _cipher(self, ident: bytes) -> AESGCM:
         return AESGCM(hmac.digest(self.secret, _KEY_LABEL + ident, "sha256"))
 
-    def seal(self, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes) -> bytes:
-        """``data`` sealed; ``plain_digest``: the raw sha256 of the plaintext the blob stands for."""
+    def seal(self, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes) -> bytearray:
+        """``data`` sealed; ``plain_digest``: the raw sha256 of the plaintext the blob stands for.
+
+        Encrypted straight into the blob's buffer, after its header: no
+        copy of the data on the way.
+        """
         header, ident = self._header(kind, plain_digest)
         aad = header + plain_digest if kind == CHUNK else header
-        return header + self._cipher(ident).encrypt(ident[:NONCE_BYTES], bytes(data), aad)
+        cipher = self._cipher(ident)
+        if not _INTO:  # cryptography before encrypt_into
+            return bytearray(header + cipher.encrypt(ident[:NONCE_BYTES], bytes(data), aad))
+        out = bytearray(len(header) + len(data) + TAG_BYTES)
+        out[: len(header)] = header
+        cipher.encrypt_into(ident[:NONCE_BYTES], data, aad, memoryview(out)[len(header) :])
+        return out
 
     def open(self, kind: int, blob: bytes, plain_digest: bytes = b"") -> bytes:
         """The bytes sealed in ``blob``; SealError if it is not one of this key's, or altered."""
@@ -100,7 +111,7 @@ class SealKey:
         header = blob[:start]
         aad = header + plain_digest if kind == CHUNK else header
         try:
-            return self._cipher(ident).decrypt(nonce, blob[start:], aad)
+            return self._cipher(ident).decrypt(nonce, memoryview(blob)[start:], aad)
         except InvalidTag:
             raise SealError("authentication failed (altered, swapped or sealed with another key)") from None
 

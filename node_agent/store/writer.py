@@ -441,7 +441,7 @@ class CheckpointWriter:
             config = decode_config(config_bytes, error=InvalidArgument, what="new config")
             if self._seal is not None:
                 # The config names every chunk's plaintext digest: it is sealed too.
-                config_bytes = self._seal.seal(sealing.CONFIG, config_bytes, sealing.plain_digest(config_bytes))
+                config_bytes = bytes(self._seal.seal(sealing.CONFIG, config_bytes, sealing.plain_digest(config_bytes)))
                 config_desc = Descriptor(CONFIG_SEALED_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
                 notes[KEY_ID_ANNOTATION] = self._seal.key_id
             else:
