@@ -131,6 +131,7 @@ class ChunkPipeline:
     def __init__(self, chunker: Chunker, ingest: Ingest, workers: int, seal: sealing.SealKey | None = None) -> None:
         self._chunker = chunker
         self._seal = seal
+        self._local = threading.local()
         self._ingest = ingest
         self._workers = max(1, workers)
         segment = max(SEGMENT_SIZE, chunker.max_size)
@@ -231,7 +232,7 @@ class ChunkPipeline:
             plain = ""
             if self._seal is not None:
                 raw = sealing.plain_digest(view)
-                stored = self._seal.seal(sealing.CHUNK, stored, raw)
+                stored = self._seal.seal_into(sealing.CHUNK, stored, raw, self._sealed_buffer(len(stored)))
                 encoding, plain = SEALED_ENCODINGS[encoding], "sha256:" + raw.hex()
             digest = "sha256:" + hashlib.sha256(stored).hexdigest()
             new = self._ingest.put(digest, stored)
@@ -251,6 +252,15 @@ class ChunkPipeline:
             if new:
                 self.bytes_written += result.stored_size
         return result
+
+    def _sealed_buffer(self, n: int) -> bytearray:
+        """This worker thread's buffer for sealed chunks, reused (fresh pages for every chunk cost kernel time)."""
+        assert self._seal is not None
+        need = n + sealing.overhead(self._seal.key_id)
+        buf: bytearray | None = getattr(self._local, "sealed", None)
+        if buf is None or len(buf) < need:
+            buf = self._local.sealed = bytearray(max(need, self._chunker.max_size + sealing.overhead(self._seal.key_id)))
+        return buf
 
     def raise_failure(self) -> None:
         """Raise the first worker failure, if any."""

@@ -83,21 +83,30 @@ class SealKey:
     def _cipher(self, ident: bytes) -> AESGCM:
         return AESGCM(hmac.digest(self.secret, _KEY_LABEL + ident, "sha256"))
 
-    def seal(self, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes) -> bytearray:
-        """``data`` sealed; ``plain_digest``: the raw sha256 of the plaintext the blob stands for.
+    def seal(self, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes) -> bytes:
+        """``data`` sealed; ``plain_digest``: the raw sha256 of the plaintext the blob stands for."""
+        out = bytearray(len(data) + overhead(self.key_id))
+        return bytes(self.seal_into(kind, data, plain_digest, out))
 
-        Encrypted straight into the blob's buffer, after its header: no
-        copy of the data on the way.
+    def seal_into(
+        self, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes, out: bytearray
+    ) -> memoryview:
+        """``data`` sealed into ``out`` (at least ``len(data) + overhead(key_id)`` long); the part used.
+
+        Encrypted straight into the caller's buffer, after the header: a
+        writer reuses one buffer per thread, so sealing costs no fresh pages.
         """
         header, ident = self._header(kind, plain_digest)
         aad = header + plain_digest if kind == CHUNK else header
         cipher = self._cipher(ident)
-        if not _INTO:  # cryptography before encrypt_into
-            return bytearray(header + cipher.encrypt(ident[:NONCE_BYTES], bytes(data), aad))
-        out = bytearray(len(header) + len(data) + TAG_BYTES)
-        out[: len(header)] = header
-        cipher.encrypt_into(ident[:NONCE_BYTES], data, aad, memoryview(out)[len(header) :])
-        return out
+        used = len(header) + len(data) + TAG_BYTES
+        view = memoryview(out)[:used]
+        view[: len(header)] = header
+        if _INTO:
+            cipher.encrypt_into(ident[:NONCE_BYTES], data, aad, view[len(header) :])
+        else:  # cryptography before encrypt_into
+            view[len(header) :] = cipher.encrypt(ident[:NONCE_BYTES], bytes(data), aad)
+        return view
 
     def open(self, kind: int, blob: bytes, plain_digest: bytes = b"") -> bytes:
         """The bytes sealed in ``blob``; SealError if it is not one of this key's, or altered."""
