@@ -249,15 +249,17 @@ class FirstAnswer:
         return out
 
     def agent(self, ckpt: str, mode: str, ref: dict[str, Any], label: str, timeout: float,
-              keep: bool = False, wait_all_in: bool = True) -> dict[str, Any]:
-        """The agent's Restore with start: `mode` "default" (no lazy option) or "full" (lazy=false)."""
+              keep: bool = False, wait_all_in: bool = True, namespace: str | None = None) -> dict[str, Any]:
+        """The agent's Restore with start: `mode` "default" (no lazy option) or "full" (lazy=false),
+        into `namespace` (default bench.run's NS_RESTORE)."""
         from bench.run import NOT_STORE, NS_RESTORE, warm
         from node_agent.lazy.session import DONE_FILE, FAILED_FILE
 
+        ns = namespace or NS_RESTORE
         name = f"r-{label}-{secrets.token_hex(3)}"
         warm(self.bench.store, NOT_STORE)
         options = {} if mode == "default" else {"lazy": "false"}
-        req = pb.RestoreRequest(checkpoint_id=ckpt, namespace=NS_RESTORE, name=name, start=True, options=options)
+        req = pb.RestoreRequest(checkpoint_id=ckpt, namespace=ns, name=name, start=True, options=options)
         out: dict[str, Any] = {"mode": mode}
 
         async def go(cri: CriClient) -> str:
@@ -273,7 +275,7 @@ class FirstAnswer:
             if result is None:
                 raise AnswerError(f"restore {name}: the agent ended the call without a result")
             pod_id = str(result.pod_sandbox_id)
-            self.bench.pods[pod_id] = f"{NS_RESTORE}/{name}"
+            self.bench.pods[pod_id] = f"{ns}/{name}"
             ip = (await cri.pod_status(pod_id)).ip
             m2, body, attempts = first_answer(ip, X, timeout)
             out.update(running_s=round(m1 - m0, 4), answer_s=round(m2 - m0, 4), attempts=attempts, body=body,
@@ -308,18 +310,21 @@ class FirstAnswer:
 
     # ---- set-up -----------------------------------------------------------------
 
-    def source(self, image: str, timeout: float) -> tuple[str, dict[str, Any], dict[str, Any], str]:
-        """The source pod, answering: (pod id, container config, its answer for X, container id)."""
+    def source(self, image: str, timeout: float,
+               namespace: str | None = None) -> tuple[str, dict[str, Any], dict[str, Any], str]:
+        """The source pod, answering: (pod id, container config, its answer for X, container id), in
+        `namespace` (default bench.run's NS_SRC)."""
         from bench.run import NS_SRC
 
+        ns = namespace or NS_SRC
         name = f"model-{secrets.token_hex(3)}"
-        pcfg = pod_config(self.b, NS_SRC, name)
+        pcfg = pod_config(self.b, ns, name)
         ccfg = container_config("model", image, MODEL_CMD)
         os.makedirs(os.path.join(pcfg["log_directory"], "model"), exist_ok=True)
 
         async def go(cri: CriClient) -> tuple[str, str, str]:
             pod_id = await cri.run_pod(pcfg, "")
-            self.bench.pods[pod_id] = f"{NS_SRC}/{name}"
+            self.bench.pods[pod_id] = f"{ns}/{name}"
             cid = await cri.create_container(pod_id, ccfg, pcfg)
             await cri.start_container(cid)
             return pod_id, cid, (await cri.pod_status(pod_id)).ip

@@ -391,17 +391,17 @@ class Bench:
     # ---- pods ---------------------------------------------------------------
 
     def new_pod(self, kind: str, mib: int, names: list[str], flip: bool = True, image: str | None = None,
-                seed: int | None = None) -> SrcPod:
+                seed: int | None = None, namespace: str = NS_SRC) -> SrcPod:
         name = f"{kind}-{mib}-{secrets.token_hex(3)}"
-        pcfg = pod_config(self.b, NS_SRC, name)
+        pcfg = pod_config(self.b, namespace, name)
         cfgs = [memhog(n, image or self.b.info["images"]["memhog"], mib, flip, seed) for n in names]
         for n in names:
             os.makedirs(os.path.join(pcfg["log_directory"], n), exist_ok=True)
 
         async def go(cri: CriClient) -> SrcPod:
             pod_id = await cri.run_pod(pcfg, "")
-            self.pods[pod_id] = f"{NS_SRC}/{name}"
-            pod = SrcPod(pod_id, NS_SRC, name, mib, pcfg)
+            self.pods[pod_id] = f"{namespace}/{name}"
+            pod = SrcPod(pod_id, namespace, name, mib, pcfg)
             self.sources[pod_id] = pod.containers
             for n, c in zip(names, cfgs):
                 cid = await cri.create_container(pod_id, c, pcfg)
@@ -572,18 +572,19 @@ class Bench:
         return {"wall_s": round(wall, 4), "dump_s": round(dumped, 4), "frozen_outside_ms": gap.gap_ms,
                 "file_bytes": size, "start": t0, "end": t1}
 
-    def agent_restore(self, ckpt: str, label: str, lazy: bool = False, keep: bool = False) -> dict[str, Any]:
+    def agent_restore(self, ckpt: str, label: str, lazy: bool = False, keep: bool = False,
+                      namespace: str = NS_RESTORE) -> dict[str, Any]:
         """`node-agent restore --start`, full or lazy. Lazily, also the time until
         every page is in and the ticker's stalls until then (each tick flips a
         word on a random page: a page not yet in costs the tick a fault served
         from the store)."""
         name = f"r-{label}-{secrets.token_hex(3)}"
         warm(self.store, NOT_STORE)
-        cp, wall, t0, t1 = self.cli("restore", ckpt, "--namespace", NS_RESTORE, "--name", name, "--start",
+        cp, wall, t0, t1 = self.cli("restore", ckpt, "--namespace", namespace, "--name", name, "--start",
                                     "--lazy" if lazy else "--full", "-o", "json", "--timeout", str(self.op_timeout - 10))
         res = json.loads(cp.stdout)
         pod_id = res["pod_sandbox_id"]
-        self.pods[pod_id] = f"{NS_RESTORE}/{name}"
+        self.pods[pod_id] = f"{namespace}/{name}"
         out: dict[str, Any] = {}
         try:
             cids = [c["container_id"] for c in res.get("containers", [])]
@@ -1028,7 +1029,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_docs(merged: dict[str, Any]) -> None:
     path = REPO / "docs" / "benchmarks.md"
-    path.write_text(report.markdown(merged))
+    path.write_text(report.markdown(merged, report.load_encryption()))
     log(f"wrote {path} (containerd {', '.join(report.series_order(merged))})")
 
 
