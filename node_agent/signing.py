@@ -469,6 +469,18 @@ def sign_published(key_file: str, store: ReferrerStore, checkpoint_id: str) -> s
 # -- trusting -----------------------------------------------------------------------------
 
 
+def signers(store: ReferrerReader, checkpoint_id: str) -> list[str]:
+    """The key ids of the signatures of a checkpoint that verify (whether trusted or not), for people."""
+    found: list[str] = []
+    for _digest, manifest in store.referrers(checkpoint_id, SIGNATURE_ARTIFACT_TYPE):
+        try:
+            doc = decode_signature_manifest(manifest)
+            found.append(check(manifest, store.read_blob(doc.layer.digest, doc.layer.size), checkpoint_id).key_id)
+        except AgentError:  # SignatureError included: not shown as a signer
+            continue
+    return sorted(set(found))
+
+
 def require_trusted(store: ReferrerReader, record: Record, settings: TrustSettings, namespace: str) -> str:
     """The key id of a valid signature of ``record`` by a key trusted for ``namespace``; PermissionDenied otherwise.
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, TypeV
 
 import grpc
 
-from node_agent import errors
+from node_agent import errors, signing
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api import convert
@@ -165,7 +165,9 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
     async def InspectCheckpoint(self, request: pb.InspectCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
         rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
-        return convert.checkpoint_info(rec)
+        info = convert.checkpoint_info(rec)
+        info.signers.extend(await self._unary(context, lambda: signing.signers(self.store, rec.id)))
+        return info
 
     async def RemoveCheckpoint(self, request: pb.RemoveCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.RemoveCheckpointResponse:
         rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))

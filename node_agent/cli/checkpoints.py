@@ -130,6 +130,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     sys.stdout.write(f"{'size:':16} {output.human_size(d['size'])} (stored {output.human_size(d['stored_size'])})\n")
     sys.stdout.write(f"{'frozen_ms:':16} {d['frozen_ms']:.1f}\n")
     sys.stdout.write(f"{'encryption:':16} {'key ' + _sealed(d) if d.get('key_id') else 'none'}\n")
+    sys.stdout.write(f"{'signed by:':16} {', '.join(d.get('signers') or []) or 'nobody'}\n")
     sys.stdout.write(f"{'options:':16} {', '.join(f'{k}={v}' for k, v in sorted(d.get('options', {}).items())) or '-'}\n")
     sys.stdout.write("containers:\n")
     for c in d.get("containers", []):

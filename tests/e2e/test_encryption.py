@@ -12,6 +12,7 @@ copy. A control checkpoint in a namespace without a key shows the search would f
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import json
 import os
@@ -126,7 +127,8 @@ def _restore(bed: Bed, ckpt: str, namespace: str, *args: str, check: bool = True
 def test_an_encrypted_signed_checkpoint_restores_and_its_secret_stays_out_of_every_store(
     sealed: tuple[Bed, Path, str], registry: Any
 ) -> None:
-    bed, ring, _ = sealed
+    bed, ring, trusted = sealed
+    signer = "ed25519:" + hashlib.sha256(base64.b64decode(trusted.removeprefix("ed25519:"))).hexdigest()[:16]
     image = bed.info["images"]["debian"]
     store = Path(bed.store)
     pods: list[str] = []
@@ -155,6 +157,7 @@ def test_an_encrypted_signed_checkpoint_restores_and_its_secret_stays_out_of_eve
         ckpts.append(ckpt)
         info = json.loads(bed.cli("checkpoints", "inspect", ckpt, "-o", "json").stdout)
         assert info["key_id"] == "secteam-1" and not info["locked"], info
+        assert info["signers"] == [signer], info  # signed on publish by the node's key
         assert "secteam-1" in bed.cli("checkpoints", "ls").stdout
 
         # Restored in full, under the namespace whose key is trusted: the same process, the same memory.
@@ -178,7 +181,7 @@ def test_an_encrypted_signed_checkpoint_restores_and_its_secret_stays_out_of_eve
         ckpts.append(rekeyed)
         assert rekeyed != ckpt
         info = json.loads(bed.cli("checkpoints", "inspect", rekeyed, "-o", "json").stdout)
-        assert info["key_id"] == "secteam-2", info
+        assert info["key_id"] == "secteam-2" and info["signers"] == [signer], info  # re-signed
         assert ckpt not in bed.cli("checkpoints", "ls").stdout
 
         # A lazily restored replica of the re-encrypted checkpoint: its memory checksums equal.

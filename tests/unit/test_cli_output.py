@@ -91,6 +91,7 @@ criu_version:    4.2
 size:            3.0MiB (stored 1.0MiB)
 frozen_ms:       123.5
 encryption:      none
+signed by:       nobody
 options:         file-locks=true, tcp-established=true
 containers:
   app: image nginx:1, 2.0KiB, dump 40 ms, log containers/app/dump.log

@@ -331,6 +331,14 @@ def test_a_tampered_signature_is_refused(store: Store, key: Ed25519PrivateKey) -
     assert text.startswith(f"checkpoint {record.id} may not be restored into namespace 'prod': a signature does not "
                            "verify, so it was tampered with")
     assert signing.key_id(key.public_key()) in text
+    assert signing.signers(store, record.id) == []  # a forged signature names nobody
+
+
+def test_signers_are_the_keys_whose_signatures_verify(store: Store, key_file: str, key: Ed25519PrivateKey) -> None:
+    record = _commit(store)
+    assert signing.signers(store, record.id) == []
+    signing.Signer(key_file).sign_into(store, record.id)
+    assert signing.signers(store, record.id) == [signing.key_id(key.public_key())]
 
 
 def test_a_signature_damaged_on_disk_is_refused(store: Store, key_file: str, key: Ed25519PrivateKey) -> None:

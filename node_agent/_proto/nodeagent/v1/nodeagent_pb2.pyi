@@ -124,7 +124,7 @@ class ContainerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., id: _Optional[str] = ..., image: _Optional[str] = ..., image_ref: _Optional[str] = ..., size: _Optional[int] = ..., dump_log: _Optional[str] = ..., dump_ms: _Optional[float] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node", "pre_dump", "annotations", "key_id", "locked")
+    __slots__ = ("id", "pod_namespace", "pod_name", "pod_uid", "pod_sandbox_id", "containers", "created", "size", "stored_size", "frozen_ms", "options", "criu_version", "node", "pre_dump", "annotations", "key_id", "locked", "signers")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class CheckpointInfo(_message.Message):
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     LOCKED_FIELD_NUMBER: _ClassVar[int]
+    SIGNERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     pod_namespace: str
     pod_name: str
@@ -173,7 +174,8 @@ class CheckpointInfo(_message.Message):
     annotations: _containers.ScalarMap[str, str]
     key_id: str
     locked: bool
-    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ..., pre_dump: _Optional[bool] = ..., annotations: _Optional[_Mapping[str, str]] = ..., key_id: _Optional[str] = ..., locked: _Optional[bool] = ...) -> None: ...
+    signers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_uid: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., created: _Optional[str] = ..., size: _Optional[int] = ..., stored_size: _Optional[int] = ..., frozen_ms: _Optional[float] = ..., options: _Optional[_Mapping[str, str]] = ..., criu_version: _Optional[str] = ..., node: _Optional[str] = ..., pre_dump: _Optional[bool] = ..., annotations: _Optional[_Mapping[str, str]] = ..., key_id: _Optional[str] = ..., locked: _Optional[bool] = ..., signers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("pod_namespace", "pod_name")
