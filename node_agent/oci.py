@@ -2,7 +2,7 @@
 
 Rule: a descriptor is hostile until ``read_descriptor`` has checked it. This
 module holds the OCI media types, the checkpoint's artifact type, the
-manifest size bound, the ``sha256:<hex>`` digest form, the ``Descriptor``
+manifest size bound, canonical JSON, the ``sha256:<hex>`` digest form, the ``Descriptor``
 value and the one reader of descriptors. It does no I/O and words no
 caller's errors: ``DescriptorError`` names the field that is wrong, and each
 caller says so in its own terms.
@@ -11,6 +11,7 @@ caller says so in its own terms.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,11 @@ DESCRIPTOR_KEYS: Final = frozenset({"mediaType", "digest", "size"})
 
 _HEX_RE: Final = re.compile(r"[0-9a-f]{64}")
 _MEDIA_TYPE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}")
+
+
+def canonical_json(doc: Any) -> bytes:
+    """Canonical bytes of a JSON document: sorted keys, no whitespace, ASCII only (the same content, the same digest)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii")
 
 
 def digest_hex(digest: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import logging
 import os
 import re
@@ -45,6 +44,7 @@ from node_agent.oci import (
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
     DescriptorError,
+    canonical_json,
     digest_hex,
     read_descriptor,
     sha256_digest,
@@ -206,10 +206,6 @@ class SignatureArtifact:
     key_id: str
 
 
-def _canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-
-
 def message(subject: str) -> bytes:
     """The bytes an Ed25519 signature of checkpoint ``subject`` (``sha256:<hex>``) signs."""
     digest_hex(subject)
@@ -222,14 +218,14 @@ def signature_artifact(key: Ed25519PrivateKey, subject: Descriptor) -> Signature
         raise InvalidArgument(f"a signature's subject is an OCI image manifest, not {subject.media_type!r}")
     public = raw_public(key.public_key())
     kid = key_id(public)
-    blob = _canonical({
+    blob = canonical_json({
         "keyId": kid,
         "publicKey": base64.b64encode(public).decode("ascii"),
         "signature": base64.b64encode(key.sign(message(subject.digest))).decode("ascii"),
         "subject": subject.digest,
     })
     layer = Descriptor(SIGNATURE_MEDIA_TYPE, sha256_digest(blob), len(blob))
-    manifest = _canonical({
+    manifest = canonical_json({
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST_MEDIA_TYPE,
         "artifactType": SIGNATURE_ARTIFACT_TYPE,
@@ -447,7 +443,7 @@ def sign_published(key_file: str, store: ReferrerStore, checkpoint_id: str) -> s
 
     Nothing happens (None) without a key file. When signing fails the
     checkpoint is removed again and FailedPrecondition raised (and logged):
-    a node that is to sign never leaves a checkpoint of its own unsigned.
+    a node that is to sign never reports a checkpoint of its own made unsigned.
     """
     if not key_file:
         return None

@@ -170,6 +170,7 @@ def _seal_key(store: Store, record: CheckpointRecord) -> SealKey | None:
         return None
     key = store.keys.key(record.key_id) if store.keys is not None else None
     if key is None:
-        record.require_open()  # names the key id
-        raise errors.FailedPrecondition(f"checkpoint {record.id}: key {record.key_id} is no longer configured")
+        raise errors.FailedPrecondition(
+            f"checkpoint {record.id} is encrypted with key id {record.key_id}, which no configured key source has"
+        )
     return key

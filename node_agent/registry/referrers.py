@@ -15,10 +15,7 @@ fails the pull. Whether a signer is trusted is decided at restore, not here.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -31,12 +28,13 @@ from node_agent.oci import (
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
     DescriptorError,
+    canonical_json,
     digest_hex,
-    is_media_type,
     read_descriptor,
     sha256_digest,
 )
 from node_agent.registry.transport import Session
+from node_agent.store.referrers import decode_referrer
 
 log = logging.getLogger(__name__)
 
@@ -45,28 +43,12 @@ MAX_INDEX_BYTES: Final = 4 << 20
 MAX_INDEX_ENTRIES: Final = 10_000
 MAX_SIGNATURES: Final = 16
 """Most signatures of one checkpoint fetched by a pull."""
-MAX_REFERRER_BYTES: Final = 256 << 10
-"""Largest referrer manifest pushed (the store's own bound)."""
 _NO_API: Final = frozenset({400, 404, 405, 406, 501})
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A signature fetched and verified: its manifest (and digest), every blob it names, its signer."""
-
-    digest: str
-    manifest: bytes
-    blobs: Mapping[str, bytes]
-    key_id: str
 
 
 def fallback_tag(subject: str) -> str:
     """The tag that holds the referrers of ``subject`` where a registry has no referrers API."""
     return "sha256-" + digest_hex(subject)
-
-
-def _canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
 def _read_descriptor(raw: object, where: str) -> Descriptor:
@@ -77,25 +59,18 @@ def _read_descriptor(raw: object, where: str) -> Descriptor:
 
 
 def describe(manifest: bytes) -> tuple[dict[str, Any], list[Descriptor]]:
-    """A referrer manifest's descriptor for an index (with its artifactType and annotations) and its blobs."""
-    if len(manifest) > MAX_REFERRER_BYTES:
-        raise InvalidArgument(f"referrer manifest is more than {MAX_REFERRER_BYTES} bytes")
-    try:
-        doc = strictjson.loads(manifest)
-    except strictjson.StrictJsonError as exc:
-        raise InvalidArgument(f"referrer manifest {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list) or not is_media_type(doc.get("artifactType")):
-        raise InvalidArgument("referrer manifest: not an OCI artifact manifest")
-    blobs = [_read_descriptor(doc.get("config"), "config")]
-    blobs += [_read_descriptor(x, f"layers[{i}]") for i, x in enumerate(doc["layers"])]
+    """A referrer manifest's descriptor for an index (with its artifactType and annotations) and its blobs.
+
+    The manifest is decoded as the store decodes every referrer (``decode_referrer``).
+    """
+    ref = decode_referrer(manifest)
     entry: dict[str, Any] = {
         "mediaType": OCI_MANIFEST_MEDIA_TYPE, "digest": sha256_digest(manifest), "size": len(manifest),
-        "artifactType": doc["artifactType"],
+        "artifactType": ref.artifact_type,
     }
-    notes = doc.get("annotations")
-    if isinstance(notes, dict) and notes:
-        entry["annotations"] = notes
-    return entry, blobs
+    if ref.annotations:
+        entry["annotations"] = dict(ref.annotations)
+    return entry, list(ref.blobs)
 
 
 def decode_index(data: bytes, what: str) -> list[dict[str, Any]]:
@@ -165,7 +140,7 @@ def _add_to_tag(session: Session, subject: str, entry: dict[str, Any]) -> None:
         raise FailedPrecondition(f"{exc}; refusing to replace it") from None
     if any(m.get("digest") == entry["digest"] for m in manifests):
         return
-    body = _canonical({"schemaVersion": 2, "mediaType": OCI_INDEX_MEDIA_TYPE, "manifests": [*manifests, entry]})
+    body = canonical_json({"schemaVersion": 2, "mediaType": OCI_INDEX_MEDIA_TYPE, "manifests": [*manifests, entry]})
     if len(body) > MAX_INDEX_BYTES:
         raise ResourceExhausted(f"{session.where}: the referrers tag {tag} would be more than {MAX_INDEX_BYTES} bytes")
     what = f"putting the referrers tag {tag}"
@@ -207,7 +182,7 @@ def listed_signatures(session: Session, subject: str) -> list[Descriptor]:
     return found[:MAX_SIGNATURES]
 
 
-def _get_signature(session: Session, subject: str, desc: Descriptor) -> Fetched:
+def _get_signature(session: Session, subject: str, desc: Descriptor) -> signing.SignatureArtifact:
     digest = desc.digest
     if desc.size > signing.MAX_SIGNATURE_MANIFEST_BYTES:
         raise InvalidArgument(f"signature {digest} is listed as {desc.size} bytes, more than a signature is")
@@ -224,7 +199,7 @@ def _get_signature(session: Session, subject: str, desc: Descriptor) -> Fetched:
     layer = signing.decode_signature_manifest(data).layer
     blob = _get_blob(session, layer, f"signature {digest}")
     key = signing.verify(data, blob, subject)
-    return Fetched(digest, data, {EMPTY_DESCRIPTOR.digest: EMPTY_BLOB, layer.digest: blob}, key)
+    return signing.SignatureArtifact(digest, data, {EMPTY_DESCRIPTOR.digest: EMPTY_BLOB, layer.digest: blob}, key)
 
 
 def _get_blob(session: Session, desc: Descriptor, of: str) -> bytes:
@@ -241,9 +216,9 @@ def _get_blob(session: Session, desc: Descriptor, of: str) -> bytes:
     return data
 
 
-def fetch_signatures(session: Session, subject: str) -> list[Fetched]:
+def fetch_signatures(session: Session, subject: str) -> list[signing.SignatureArtifact]:
     """Every signature of ``subject`` the registry has that verifies (its signer trusted or not)."""
-    out: list[Fetched] = []
+    out: list[signing.SignatureArtifact] = []
     for desc in listed_signatures(session, subject):
         try:
             out.append(_get_signature(session, subject, desc))

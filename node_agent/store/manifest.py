@@ -14,7 +14,6 @@ module does no I/O.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any, Final, Literal
 
 from node_agent import strictjson
 from node_agent.errors import DataLoss, InvalidArgument
+from node_agent.store.sealing import KEY_ID_RE
 from node_agent.oci import (
     ARTIFACT_TYPE,
     DESCRIPTOR_KEYS,
@@ -32,6 +32,7 @@ from node_agent.oci import (
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
     DescriptorError,
+    canonical_json,
     digest_hex,
     read_descriptor,
 )
@@ -79,7 +80,6 @@ MAX_MODE: Final = 0o7777
 MAX_ANNOTATIONS: Final = 1024
 MAX_ANNOTATION_BYTES: Final = 64 << 10
 
-_KEY_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _CREATED_RE: Final = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z")
 _MANIFEST_KEYS: Final = frozenset({"schemaVersion", "mediaType", "artifactType", "config", "layers", "annotations"})
 _CONFIG_KEYS: Final = frozenset({"metadata", "files"})
@@ -233,11 +233,6 @@ def normalize_path(path: str) -> str:
 def join_path(prefix: str, name: str) -> str:
     """Join a (possibly empty) prefix and a relative path."""
     return f"{prefix}/{name}" if prefix else name
-
-
-def canonical_json(doc: Any) -> bytes:
-    """Canonical bytes of a JSON document: sorted keys, no whitespace, ASCII only."""
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii")
 
 
 def check_annotations(annotations: object) -> dict[str, str]:
@@ -451,7 +446,7 @@ def _validate_manifest(doc: object) -> CheckpointManifest:
         raise _Invalid(str(exc)) from None
     if not is_created(annotations.get(CREATED_ANNOTATION)):
         raise _Invalid(f"annotation {CREATED_ANNOTATION} is missing or not an RFC 3339 UTC timestamp")
-    if config.media_type == CONFIG_SEALED_MEDIA_TYPE and not _KEY_ID_RE.fullmatch(annotations.get(KEY_ID_ANNOTATION, "")):
+    if config.media_type == CONFIG_SEALED_MEDIA_TYPE and not KEY_ID_RE.fullmatch(annotations.get(KEY_ID_ANNOTATION, "")):
         raise _Invalid(f"a sealed checkpoint needs the annotation {KEY_ID_ANNOTATION} (a key id)")
     return CheckpointManifest(config=config, layers=layers, annotations=MappingProxyType(annotations))
 

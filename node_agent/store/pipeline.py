@@ -256,10 +256,10 @@ class ChunkPipeline:
     def _sealed_buffer(self, n: int) -> bytearray:
         """This worker thread's buffer for sealed chunks, reused (fresh pages for every chunk cost kernel time)."""
         assert self._seal is not None
-        need = n + sealing.overhead(self._seal.key_id)
+        extra = sealing.overhead(self._seal.key_id)
         buf: bytearray | None = getattr(self._local, "sealed", None)
-        if buf is None or len(buf) < need:
-            buf = self._local.sealed = bytearray(max(need, self._chunker.max_size + sealing.overhead(self._seal.key_id)))
+        if buf is None or len(buf) < n + extra:
+            buf = self._local.sealed = bytearray(max(n, self._chunker.max_size) + extra)
         return buf
 
     def raise_failure(self) -> None:
