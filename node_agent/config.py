@@ -20,13 +20,14 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Annotated, Any, Literal, Mapping, TypeVar, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta, Struct, field
 
 from node_agent.authz import Rule, parse_rules
+from node_agent.configerrors import refusal, shown
 from node_agent.errors import InvalidArgument
 
 DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
@@ -156,6 +157,9 @@ class RegistrySettings(_Section, frozen=True):
     # token requests and credentials, over HTTPS only: `host` (port 443) or
     # `host:port`. Kept as `host:port`, lowercase.
     token_realms: TokenRealms = TokenRealms()
+    # The most bytes one pull may bring into the store (besides the
+    # store's `min-free-bytes`, which every pull leaves free).
+    max_pull_bytes: AtLeastOne = 64 << 30
 
     def as_mapping(self) -> dict[str, Any]:
         """The `registry:` section that `parse_registry` reads back into these settings."""
@@ -236,6 +240,15 @@ class RestoreRules(_Section, frozen=True):
     trusted_keys: NameGroups = field(default_factory=NameGroups)
     # Restore checkpoints imported from other engines' archives (unsigned).
     allow_foreign: bool = False
+    # Restore through a Pod annotation (whoever may create Pods names the
+    # checkpoint): per target namespace ("*": any), the source namespaces
+    # whose checkpoints its Pods may restore besides its own.
+    pod_sources: NameGroups = field(default_factory=NameGroups)
+    # Registries (`host[:port]`) or repositories (`host[:port]/path`) a Pod's
+    # annotation may name; empty: registry references are refused.
+    pod_registries: tuple[str, ...] = ()
+    # Namespaces whose Pods may allow host access by annotation.
+    pod_host_access_namespaces: tuple[str, ...] = ()
 
 
 class NamespaceRule(_Section, frozen=True):
@@ -358,21 +371,21 @@ def _parse_value(kind: type, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return Address(value)
         if not isinstance(value, str):
-            raise ValueError(f"must be HOST:PORT or a port, got {_shown(value)}")
+            raise ValueError(f"must be HOST:PORT or a port, got {shown(value)}")
         return Address(value)
     if kind is TokenRealms:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"must be a list of hosts, got {_shown(value)}")
+            raise ValueError(f"must be a list of hosts, got {shown(value)}")
         return TokenRealms(dict.fromkeys(token_realm_host(v) for v in value))
     if kind is Rules:
         return Rules(parse_rules(value))
     if isinstance(kind, type) and issubclass(kind, _FrozenMap):
         if not isinstance(value, Mapping):
-            raise ValueError(f"must be a mapping, got {_shown(value)}")
+            raise ValueError(f"must be a mapping, got {shown(value)}")
         items: dict[str, Any] = {}
         for name, item in value.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"every key must be a non-empty string, got {_shown(name)}")
+                raise ValueError(f"every key must be a non-empty string, got {shown(name)}")
             try:
                 items[name] = msgspec.convert(item, kind.item_type)
             except msgspec.ValidationError as exc:
@@ -386,96 +399,7 @@ def _decode(data: Any, kind: type[T], within: str = "") -> T:
     try:
         return msgspec.convert(data, kind, dec_hook=_parse_value)
     except msgspec.ValidationError as exc:
-        raise _refusal(str(exc), data, kind, within) from None
-
-
-_AT = re.compile(r"(.*) - at `\$((?:\.[^.\[`]+|\[\d+\])*)`", re.S)
-_STEP = re.compile(r"\.([^.\[`]+)|\[(\d+)\]")
-_UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.S)
-
-
-def _refusal(message: str, data: Any, kind: type, within: str) -> InvalidArgument:
-    """msgspec's complaint in the agent's words: the key, what it takes, what it got."""
-    at = _AT.fullmatch(message)
-    if at is None and " - at `" in message:  # about a mapping's key itself (`key` in `$...`), not a value
-        section = ".".join(filter(None, (within, message.rpartition("`$")[2].rstrip("`").lstrip("."))))
-        return InvalidArgument(f"config{' key ' + repr(section) if section else ''}: every key must be a string")
-    # msgspec leaves out the path where the document as a whole is wrong.
-    what, where = (at[1], at[2]) if at else (message, "")
-    steps = [(name, int(index) if index else None) for name, index in _STEP.findall(where)]
-    key = ".".join(filter(None, (within, where.lstrip("."))))
-    annotation: Any = kind
-    value: Any = data
-    for name, index in steps:
-        annotation = _step_type(annotation, name, index)
-        value = _step_value(value, name, index)
-    unknown = _UNKNOWN.fullmatch(what)
-    if unknown:
-        name = f"{key}.{unknown[1]}" if key else unknown[1]
-        known = sorted(f.encode_name for f in _fields(annotation))
-        return InvalidArgument(f"unknown config key {name!r}" + (f" (known: {', '.join(known)})" if known else ""))
-    wanted = _wanted(annotation)
-    said = f"must be {wanted}, got {_shown(value)}" if wanted and value is not _MISSING else what
-    if not key:
-        return InvalidArgument(f"config file: the top level {said}")
-    return InvalidArgument(f"config key {key!r}: {said}")
-
-
-_MISSING: Any = object()
-
-
-def _is_section(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, Struct)
-
-
-def _fields(annotation: Any) -> tuple[msgspec.structs.FieldInfo, ...]:
-    return msgspec.structs.fields(annotation) if _is_section(annotation) else ()
-
-
-def _step_type(annotation: Any, name: str, index: int | None) -> Any:
-    """The type of a key (`name`) or list item (`index`) inside a value of type `annotation`; None if unknown."""
-    if index is not None:
-        items = get_args(annotation)
-        return items[0] if get_origin(annotation) in (tuple, list) and items else None
-    return next((f.type for f in _fields(annotation) if f.encode_name == name), None)
-
-
-def _step_value(value: Any, name: str, index: int | None) -> Any:
-    try:
-        return value[index] if index is not None else value[name]
-    except (LookupError, TypeError):
-        return _MISSING
-
-
-def _wanted(annotation: Any) -> str:
-    """What a key of this type takes, in words ("" when its own parser says so)."""
-    if annotation is None:
-        return ""
-    if get_origin(annotation) is Literal:
-        return "one of " + ", ".join(map(str, get_args(annotation)))
-    if _is_section(annotation):
-        return "a mapping"
-    it = msgspec.inspect
-    info = it.type_info(annotation)
-    if isinstance(info, it.FloatType):
-        sign = "positive, " if info.gt == 0 else "non-negative, " if info.ge == 0 else ""
-        return f"a {sign}finite number"
-    if isinstance(info, it.IntType):
-        if info.ge is None:
-            return "an integer"
-        return "a non-negative integer" if info.ge == 0 else f"an integer of at least {info.ge}"
-    if isinstance(info, it.BoolType):
-        return "true or false"
-    if isinstance(info, it.StrType):
-        return "a string"
-    if isinstance(info, (it.VarTupleType, it.ListType)):
-        return "a list"
-    return ""
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        raise refusal(str(exc), data, kind, within) from None
 
 
 def parse_registry(value: Any) -> RegistrySettings:
