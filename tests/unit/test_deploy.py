@@ -27,9 +27,9 @@ def _all() -> list[dict[str, Any]]:
     return [d for p in MANIFESTS for d in _docs(p)]
 
 
-def _one(kind: str) -> dict[str, Any]:
-    found = [d for d in _all() if d["kind"] == kind]
-    assert len(found) == 1, kind
+def _one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in _all() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, (kind, name)
     return found[0]
 
 
@@ -79,7 +79,7 @@ def test_configmap_config_parses_with_the_agent_loader(tmp_path: Path) -> None:
 
 
 def test_clusterrole_grants_exactly_what_device_taints_need() -> None:
-    role = _one("ClusterRole")
+    role = _one("ClusterRole", "node-agent")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"]) for r in role["rules"]}
     assert rules == {
         (("resource.k8s.io",), ("resourceslices",)): ["get", "list", "watch"],
@@ -91,6 +91,20 @@ def test_clusterrole_grants_exactly_what_device_taints_need() -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": sa["metadata"]["namespace"]}]
     assert _pod()["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_restore_roles_grant_only_the_virtual_verbs_and_aggregate_into_nothing() -> None:
+    # The admission policy (deploy/restore-admission.yaml, tests/unit/test_admission_policy.py) asks RBAC for these.
+    for name, verb in (("node-agent-restore", "restore"), ("node-agent-restore-host-access", "restore-host-access")):
+        role = _one("ClusterRole", name)
+        assert role["rules"] == [{"apiGroups": ["node-agent.io"], "resources": ["checkpoints"], "verbs": [verb]}]
+        assert "aggregationRule" not in role
+        assert not any(k.startswith("rbac.authorization.k8s.io/aggregate-to") for k in role["metadata"]["labels"])
+    # Bound by no one here: each cluster binds them where pod authors may restore.
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        assert all(d["roleRef"]["name"] == "node-agent" for d in _all() if d["kind"] == kind)
+    policy = _one("ValidatingAdmissionPolicy")
+    assert _one("ValidatingAdmissionPolicyBinding")["spec"]["policyName"] == policy["metadata"]["name"]
 
 
 def _mounts(container: dict[str, Any]) -> dict[str, str]:
