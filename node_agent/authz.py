@@ -1,8 +1,20 @@
-"""The authorization policy of the mutual-TLS listener.
+"""The API's method table and the authorization policy of the mutual-TLS listener.
 
-Who may call which `nodeagent.v1.NodeAgent` method for pods in which
-namespaces. Pure data and matching: no I/O and no gRPC here; the servicer
-reads the peer's certificate and asks.
+`METHODS` is the one table of the `nodeagent.v1.NodeAgent` service: for every
+method, the names a rule grants it by, how the namespace it acts in is found
+(`Scope`), and the request fields that name a path on the node. Every
+listener's calls pass one gate driven by it (`node_agent.api.gate`):
+
+- root on the local socket: every method, in every form;
+- a member of the socket group: every method, but a call that sets one of
+  its method's `paths` fields is refused (the agent would open the path as
+  root);
+- a client over mutual TLS: what the `authorization:` rules grant, in the
+  namespaces they name, the namespace found as the method's `Scope` says.
+
+A unit test holds the table to the service descriptor: a method without an
+entry fails the suite, and a method the table does not know is refused on
+every listener.
 
 A rule names client identities, methods and namespaces; a call is allowed
 when one rule names the caller, the method and the namespace. An identity
@@ -10,20 +22,99 @@ is written as the certificate subject's common name (`CN=autoscaler`), the
 full subject (`CN=autoscaler,O=ops`) or a subject alternative name's value
 (`spiffe://cluster/ns/ops/sa/checkpointer`, `ctl.example`, `ops@example`).
 `*` stands for every authenticated client, every method or every namespace.
+Pure data and matching: no I/O and no gRPC here.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from node_agent.errors import InvalidArgument
 
 ANY = "*"
-METHODS = frozenset({
-    "Checkpoint", "Restore", "ListCheckpoints", "InspectCheckpoint", "RemoveCheckpoint", "VerifyCheckpoint",
-    "GarbageCollect", "Push", "Pull", "Export", "Import", "ListDevices", "WatchDevices",
-})
+
+
+class Scope(enum.Enum):
+    """How the namespace a call acts in is found (what a TLS rule's `namespaces` are checked against)."""
+
+    # The pod the `ref` field names: a `namespace/name` is checked as written,
+    # before any lookup; a sandbox ID (or prefix) is resolved among the pods of
+    # the caller's namespaces; the call is then pinned to the sandbox ID.
+    POD = "pod"
+    # The checkpoint the `ref` field names, resolved among the checkpoints of
+    # the caller's namespaces (another namespace's is NOT_FOUND, exactly as one
+    # that does not exist); the call is then pinned to its full ID.
+    CHECKPOINT = "checkpoint"
+    # The answer lists checkpoints: it keeps only those of the caller's namespaces.
+    LISTING = "listing"
+    # The namespace the `target` field names; `*` when it names none.
+    TARGET = "target"
+    # The node's, not a namespace's: the rule must cover `*`.
+    NODE = "node"
+    # Known only after the call (what a pull brings in): the rule must cover `*`.
+    AFTERWARDS = "afterwards"
+
+
+@dataclass(frozen=True)
+class NodePath:
+    """A request field that names a path on the node, which the agent would open as root."""
+
+    field: str
+    access: str  # "read" or "write"
+    instead: str  # what a caller who may not name paths does instead
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of `nodeagent.v1.NodeAgent`: how it is authorized on every listener.
+
+    Field names are the request message's (for a client-streaming method,
+    its first message's), dotted into sub-messages.
+    """
+
+    name: str
+    scope: Scope
+    # The field naming the pod (POD) or the checkpoint (CHECKPOINT).
+    ref: str = ""
+    # A field naming a namespace: checked too when set (for TARGET: `*` when empty).
+    target: str = ""
+    # Further names a rule grants this method by (a rule naming `Export`, which
+    # writes any path, grants the streamed `ExportArchive` too).
+    granted_by: tuple[str, ...] = ()
+    # Fields that name a path on the node: refused to the socket group when set.
+    paths: tuple[NodePath, ...] = ()
+
+    def names(self) -> tuple[str, ...]:
+        """The names a rule grants this method by (its own first)."""
+        return (self.name, *self.granted_by)
+
+
+_STREAM_INSTEAD = "`node-agent export` and `node-agent import` stream the archive through the socket instead"
+_CA_FILE = NodePath("credentials.ca_file", "read", "the CLI sends the CA file's contents instead")
+
+METHODS: Mapping[str, Method] = {m.name: m for m in (
+    Method("Checkpoint", Scope.POD, ref="pod"),
+    Method("Restore", Scope.CHECKPOINT, ref="checkpoint_id", target="namespace"),
+    Method("ListCheckpoints", Scope.LISTING, target="pod_namespace"),
+    Method("InspectCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
+    Method("RemoveCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
+    Method("VerifyCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
+    Method("RekeyCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
+    Method("GarbageCollect", Scope.NODE),
+    Method("Push", Scope.CHECKPOINT, ref="checkpoint_id", paths=(_CA_FILE,)),
+    Method("Pull", Scope.AFTERWARDS, paths=(_CA_FILE,)),
+    Method("Export", Scope.CHECKPOINT, ref="checkpoint_id",
+           paths=(NodePath("output_path", "write", _STREAM_INSTEAD),)),
+    Method("Import", Scope.TARGET, target="namespace", paths=(NodePath("input_path", "read", _STREAM_INSTEAD),)),
+    Method("ExportArchive", Scope.CHECKPOINT, ref="checkpoint_id", granted_by=("Export",),
+           paths=(NodePath("output_path", "write", _STREAM_INSTEAD),)),
+    Method("ImportArchive", Scope.TARGET, target="header.namespace", granted_by=("Import",),
+           paths=(NodePath("header.input_path", "read", _STREAM_INSTEAD),)),
+    Method("ListDevices", Scope.NODE),
+    Method("WatchDevices", Scope.NODE),
+)}
 
 
 @dataclass(frozen=True)
@@ -61,7 +152,9 @@ class Rule:
         return ANY in self.identities or not who.names().isdisjoint(self.identities)
 
     def covers(self, method: str) -> bool:
-        return ANY in self.methods or method in self.methods
+        """Whether the rule grants `method` (by its name, a name that grants it, or `*`)."""
+        entry = METHODS.get(method)
+        return entry is not None and (ANY in self.methods or not set(entry.names()).isdisjoint(self.methods))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The agent API's listeners: the local socket, mutual TLS, plaintext health, metrics.
 
-`Listeners.bind` prepares the main server (the one the local socket
-reaches) before it starts; `start` opens every listener the settings name;
-`stop` shuts them down in stages: no new connections, then calls in flight
-get `grace` seconds, then what is left is cancelled.
+`Listeners.root_server` makes the main server (the one the local socket
+relays root to) and `bind` prepares it before it starts; `start` opens every
+listener the settings name; `stop` shuts them down in stages: no new
+connections, then calls in flight get `grace` seconds, then what is left is
+cancelled. Every server of the API has a `MethodGate` for the kind of caller
+it serves: root, the socket group, mutual TLS.
 """
 
 from __future__ import annotations
@@ -17,16 +19,22 @@ import grpc
 from node_agent import authz, errors
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
+from node_agent.api.gate import Caller, MethodGate
 from node_agent.api.health import add_operability, serve_health, set_not_serving
-from node_agent.api.security import (
-    AuthorizedServicer, CertificateFiles, GroupServicer, LocalSocketGate, group_id, private_dir, tls_port,
-)
+from node_agent.api.security import CertificateFiles, LocalSocketGate, group_id, private_dir, tls_port
 from node_agent.config import Settings, host_port
 from node_agent.metrics import Metrics, serve_metrics
 
 log = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+
+
+def api_server(servicer: AgentServicer, gate: MethodGate) -> grpc.aio.Server:
+    """A server of the agent's API whose every call passes `gate`."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(gate,))
+    pb_grpc.add_NodeAgentServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    return server
 
 
 class Listeners:
@@ -37,8 +45,8 @@ class Listeners:
         self.directory = private_dir(settings.store)
         self.backend = os.path.join(self.directory, "api.sock")
         gid = group_id(settings.socket_group)
-        # Members of the socket group reach a server of their own: the API without the
-        # forms that name paths on the node (`GroupServicer`).
+        # Members of the socket group reach a server of their own, whose gate refuses
+        # them the forms that name paths on the node.
         self.group_backend = os.path.join(self.directory, "group.sock") if gid is not None else ""
         self.group: grpc.aio.Server | None = None
         self.gate = LocalSocketGate(settings.socket, self.backend, self.directory, gid, self.group_backend)
@@ -50,6 +58,10 @@ class Listeners:
         self._server: grpc.aio.Server | None = None
         # Bad certificate files fail here, before anything listens.
         self.files = CertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca) if settings.listen else None
+
+    def root_server(self) -> grpc.aio.Server:
+        """The main server: the API as root may call it (what the local socket relays root to)."""
+        return api_server(self.servicer, MethodGate(Caller.ROOT))
 
     async def bind(self, server: grpc.aio.Server) -> None:
         """Give the main server health, reflection and its private socket (before it starts)."""
@@ -71,8 +83,7 @@ class Listeners:
     async def _start(self) -> None:
         s = self.settings
         if self.group_backend:
-            self.group = grpc.aio.server(options=SERVER_OPTIONS)
-            pb_grpc.add_NodeAgentServicer_to_server(GroupServicer(self.servicer), self.group)  # type: ignore[no-untyped-call]
+            self.group = api_server(self.servicer, MethodGate(Caller.GROUP))
             self._health_servicers.append(await add_operability(self.group))
             if os.path.exists(self.group_backend):
                 os.unlink(self.group_backend)
@@ -81,10 +92,9 @@ class Listeners:
         await self.gate.start()
         log.info("serving on unix://%s", s.socket)
         if self.files is not None:
-            self.tls = grpc.aio.server(options=SERVER_OPTIONS)
-            pb_grpc.add_NodeAgentServicer_to_server(  # type: ignore[no-untyped-call]
-                AuthorizedServicer(self.servicer, authz.Policy(s.authorization)), self.tls
-            )
+            self.tls = api_server(self.servicer, MethodGate(
+                Caller.TLS, policy=authz.Policy(s.authorization), store=self.servicer.store,
+                pods=self.servicer.checkpointer.cri))
             self._health_servicers.append(await add_operability(self.tls))
             self.tls_port = tls_port(self.tls, s.listen, self.files)
             await self.tls.start()

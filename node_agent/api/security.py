@@ -1,17 +1,17 @@
-"""Who gets in: mutual TLS with reloaded certificates, the authorization policy, the local socket's peer check.
+"""Who gets in: mutual TLS with reloaded certificates, the local socket's peer check.
 
 - `CertificateFiles` feeds gRPC's dynamic server credentials: on every new
   connection it checks the certificate, key and client CA files and hands
   over a new configuration when their contents changed.
-- `AuthorizedServicer` wraps the agent's servicer on the TLS listener: the
-  client's identity (certificate subject or SANs) must be allowed the method
-  and the namespace of the pod or checkpoint it names (`node_agent.authz`).
 - `LocalSocketGate` owns the local Unix socket. gRPC does not tell a servicer
   who is on the other end of a Unix socket, so the gate accepts connections
   itself, reads the peer's SO_PEERCRED (and SO_PEERGROUPS), and relays the
-  bytes of admitted peers to the server's private socket in a root-only
-  directory; other peers are relayed to a server that refuses every call with
-  PERMISSION_DENIED.
+  bytes of root to the root server's private socket, those of the socket
+  group's members to the group's, both in a root-only directory; other peers
+  are relayed to a server that refuses every call with PERMISSION_DENIED.
+
+What each kind of caller may then call is the method table's to say
+(`node_agent.authz`), enforced by `node_agent.api.gate` on every server.
 """
 
 from __future__ import annotations
@@ -29,15 +29,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any
 
 import grpc
 
-from node_agent import authz, errors
-from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
-from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
-from node_agent.api.agent import AgentServicer, abort_with
-from node_agent.checkpointing import resolve_pod
+from node_agent import errors
 
 log = logging.getLogger(__name__)
 
@@ -127,249 +123,6 @@ class CertificateFiles:
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(self._initial, self.fetch, require_client_authentication=True)
-
-
-# ---- identities and policy ---------------------------------------------------------
-
-
-def _values(ctx: Mapping[str, Any], key: str) -> list[str]:
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in ctx.get(key) or []]
-
-
-def peer_identity(context: grpc.aio.ServicerContext) -> authz.Identity | None:
-    """The client's certificate identity, or None when the call did not come over TLS."""
-    ctx = context.auth_context() or {}
-    if _values(ctx, "transport_security_type") != ["ssl"]:
-        return None
-    cn = _values(ctx, "x509_common_name")
-    subject = _values(ctx, "x509_subject")
-    return authz.Identity(
-        common_name=cn[0] if cn else "",
-        subject=subject[0] if subject else "",
-        sans=tuple(_values(ctx, "x509_subject_alternative_name")),
-    )
-
-
-def _namespace_of(rec: Any) -> str:
-    pod = rec.metadata.get("pod") if isinstance(rec.metadata, Mapping) else None
-    ns = pod.get("namespace") if isinstance(pod, Mapping) else None
-    return ns if isinstance(ns, str) else ""
-
-
-class AuthorizedServicer(pb_grpc.NodeAgentServicer):
-    """The agent's API under the authorization policy (the mutual-TLS listener)."""
-
-    def __init__(self, inner: AgentServicer, policy: authz.Policy) -> None:
-        self.inner = inner
-        self.policy = policy
-
-    async def _caller(self, context: grpc.aio.ServicerContext, method: str) -> authz.Identity:
-        who = peer_identity(context)
-        if who is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this listener needs a client certificate")
-            raise AssertionError("unreachable")
-        if not self.policy.may_call(who, method):
-            log.warning("refused %s to %s", method, who, extra={"phase": "authorize"})
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} may not call {method}")
-        return who
-
-    async def _check(self, context: grpc.aio.ServicerContext, who: authz.Identity, method: str, namespace: str) -> None:
-        if self.policy.allows(who, method, namespace):
-            return
-        where = "every namespace" if namespace == authz.ANY else f"namespace {namespace!r}"
-        log.warning("refused %s to %s in %s", method, who, where, extra={"phase": "authorize"})
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} may not call {method} for {where}")
-
-    def _scope(self, who: authz.Identity, method: str) -> Any:
-        """The namespaces `who` may call `method` for, as a predicate (None: every one)."""
-        allowed = self.policy.namespaces(who, method)
-        if authz.ANY in allowed:
-            return None
-        return lambda namespace: namespace in allowed
-
-    async def _checkpoint(self, context: grpc.aio.ServicerContext, who: authz.Identity, method: str, ref: str) -> Any:
-        """The checkpoint `ref` names among those of the namespaces `who` may call `method` for.
-
-        Resolved within the caller's scope: a checkpoint of another namespace
-        is not found, exactly as one that does not exist (no existence oracle).
-        """
-        scope = self._scope(who, method)
-        within = None if scope is None else (lambda rec: scope(_namespace_of(rec)))
-        try:
-            return await asyncio.to_thread(lambda: self.inner.store.get(ref, within=within))
-        except Exception as exc:  # noqa: BLE001 - mapped right here
-            await abort_with(context, exc)
-            raise
-
-    async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CheckpointEvent]:
-        who = await self._caller(context, "Checkpoint")
-        ref = request.pod.strip()
-        if "/" in ref:
-            # namespace/name: the namespace is the caller's to name, checked before anything is looked up.
-            await self._check(context, who, "Checkpoint", ref.partition("/")[0])
-        try:
-            pod = await resolve_pod(self.inner.checkpointer.cri, request.pod, self._scope(who, "Checkpoint"))
-        except Exception as exc:  # noqa: BLE001 - mapped right here
-            await abort_with(context, exc)
-            raise
-        await self._check(context, who, "Checkpoint", pod.namespace)
-        pinned = pb.CheckpointRequest()
-        pinned.CopyFrom(request)
-        pinned.pod = pod.id
-        async for ev in self.inner.Checkpoint(pinned, context):
-            yield ev
-
-    async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RestoreEvent]:
-        who = await self._caller(context, "Restore")
-        if request.namespace:
-            await self._check(context, who, "Restore", request.namespace)
-        rec = await self._checkpoint(context, who, "Restore", request.checkpoint_id)
-        pinned = pb.RestoreRequest()
-        pinned.CopyFrom(request)
-        pinned.checkpoint_id = rec.id
-        async for ev in self.inner.Restore(pinned, context):
-            yield ev
-
-    async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext) -> pb.DeviceSnapshot:
-        # Devices are the node's, not a namespace's: the rule must cover every namespace.
-        who = await self._caller(context, "ListDevices")
-        await self._check(context, who, "ListDevices", authz.ANY)
-        return await self.inner.ListDevices(request, context)
-
-    async def WatchDevices(self, request: pb.WatchDevicesRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DeviceSnapshot]:
-        who = await self._caller(context, "WatchDevices")
-        await self._check(context, who, "WatchDevices", authz.ANY)
-        async for snap in self.inner.WatchDevices(request, context):
-            yield snap
-
-    async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext) -> pb.ListCheckpointsResponse:
-        who = await self._caller(context, "ListCheckpoints")
-        if request.pod_namespace:
-            await self._check(context, who, "ListCheckpoints", request.pod_namespace)
-        allowed = self.policy.namespaces(who, "ListCheckpoints")
-        resp = await self.inner.ListCheckpoints(request, context)
-        if authz.ANY in allowed:
-            return resp
-        return pb.ListCheckpointsResponse(checkpoints=[c for c in resp.checkpoints if c.pod_namespace in allowed])
-
-    async def InspectCheckpoint(self, request: pb.InspectCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        who = await self._caller(context, "InspectCheckpoint")
-        rec = await self._checkpoint(context, who, "InspectCheckpoint", request.checkpoint_id)
-        return await self.inner.InspectCheckpoint(pb.InspectCheckpointRequest(checkpoint_id=rec.id), context)
-
-    async def RemoveCheckpoint(self, request: pb.RemoveCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.RemoveCheckpointResponse:
-        who = await self._caller(context, "RemoveCheckpoint")
-        rec = await self._checkpoint(context, who, "RemoveCheckpoint", request.checkpoint_id)
-        return await self.inner.RemoveCheckpoint(pb.RemoveCheckpointRequest(checkpoint_id=rec.id), context)
-
-    async def VerifyCheckpoint(self, request: pb.VerifyCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.VerifyCheckpointResponse:
-        who = await self._caller(context, "VerifyCheckpoint")
-        rec = await self._checkpoint(context, who, "VerifyCheckpoint", request.checkpoint_id)
-        return await self.inner.VerifyCheckpoint(pb.VerifyCheckpointRequest(checkpoint_id=rec.id), context)
-
-    async def GarbageCollect(self, request: pb.GarbageCollectRequest, context: grpc.aio.ServicerContext) -> pb.GarbageCollectResponse:
-        who = await self._caller(context, "GarbageCollect")
-        await self._check(context, who, "GarbageCollect", authz.ANY)
-        return await self.inner.GarbageCollect(request, context)
-
-    async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        who = await self._caller(context, "Push")
-        rec = await self._checkpoint(context, who, "Push", request.checkpoint_id)
-        pinned = pb.PushRequest()
-        pinned.CopyFrom(request)
-        pinned.checkpoint_id = rec.id
-        async for ev in self.inner.Push(pinned, context):
-            yield ev
-
-    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        who = await self._caller(context, "Pull")
-        # What a pull brings in is known only once it is here.
-        await self._check(context, who, "Pull", authz.ANY)
-        async for ev in self.inner.Pull(request, context):
-            yield ev
-
-    async def Export(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> pb.ExportResponse:
-        who = await self._caller(context, "Export")
-        rec = await self._checkpoint(context, who, "Export", request.checkpoint_id)
-        pinned = pb.ExportRequest()
-        pinned.CopyFrom(request)
-        pinned.checkpoint_id = rec.id
-        return await self.inner.Export(pinned, context)
-
-    async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        who = await self._caller(context, "Import")
-        # Without a target namespace the archive's own decides.
-        await self._check(context, who, "Import", request.namespace or authz.ANY)
-        return await self.inner.Import(request, context)
-
-    async def ExportArchive(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ArchiveChunk]:
-        who = await self._caller(context, "Export")
-        rec = await self._checkpoint(context, who, "Export", request.checkpoint_id)
-        pinned = pb.ExportRequest()
-        pinned.CopyFrom(request)
-        pinned.checkpoint_id = rec.id
-        async for chunk in self.inner.ExportArchive(pinned, context):
-            yield chunk
-
-    async def ImportArchive(self, request_iterator: AsyncIterator[pb.ImportChunk], context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        who = await self._caller(context, "Import")
-        first = await anext(aiter(request_iterator), None)
-        namespace = first.header.namespace if first is not None and first.WhichOneof("part") == "header" else ""
-        await self._check(context, who, "Import", namespace or authz.ANY)
-        return await self.inner.ImportArchive(_chain(first, request_iterator), context)
-
-
-async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item
-
-
-class GroupServicer:
-    """The agent's API for members of the local socket's group: everything but naming paths on the node.
-
-    The daemon runs as root; a path a caller names would be opened with
-    root's permissions (an export into a root-only directory, an import of a
-    root-only file). Group members stream archives instead (ExportArchive,
-    ImportArchive, which the CLI uses) and hand a registry's CA as its
-    contents, and checkpoint and restore as root does.
-    """
-
-    def __init__(self, inner: AgentServicer) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def Export(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> pb.ExportResponse:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _PATHS_ROOT_ONLY.format(what=f"write {request.output_path}"))
-        raise AssertionError("unreachable")
-
-    async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _PATHS_ROOT_ONLY.format(what=f"read {request.input_path}"))
-        raise AssertionError("unreachable")
-
-    async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        await _no_ca_path(request.credentials, context)
-        async for ev in self.inner.Push(request, context):
-            yield ev
-
-    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        await _no_ca_path(request.credentials, context)
-        async for ev in self.inner.Pull(request, context):
-            yield ev
-
-
-_PATHS_ROOT_ONLY = ("a member of the socket group may not have the agent {what} (it would do so as root); "
-                    "`node-agent export` and `node-agent import` stream the archive through the socket instead")
-
-
-async def _no_ca_path(creds: pb.RegistryCredentials, context: grpc.aio.ServicerContext) -> None:
-    if creds.ca_file:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, (
-            f"a member of the socket group may not have the agent read {creds.ca_file} (it would do so as root); "
-            "the CLI sends the CA file's contents instead"))
 
 
 def tls_port(server: grpc.aio.Server, listen: str, files: CertificateFiles) -> int:
@@ -469,8 +222,8 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 
 
 class LocalSocketGate:
-    """The local API socket: root is relayed to `backend`, members of `gid` to `group_backend` (the API
-    without path forms, `GroupServicer`); others are refused."""
+    """The local API socket: root is relayed to `backend`, members of `gid` to `group_backend` (the server
+    whose gate applies the socket group's column of the method table); others are refused."""
 
     def __init__(self, path: str, backend: str, directory: str, gid: int | None, group_backend: str = "") -> None:
         self.path = path

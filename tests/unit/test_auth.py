@@ -120,9 +120,8 @@ class Agent:
     async def __aenter__(self) -> "Agent":
         checkpointer = SimpleNamespace(settings=self.settings, cri=None)
         self.servicer = AgentServicer(checkpointer, None, self.store, lambda dry_run=False: None)  # type: ignore[arg-type]
-        self.server = grpc.aio.server()
-        pb_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
         self.listeners = Listeners(self.settings, self.servicer, None)  # type: ignore[arg-type]
+        self.server = self.listeners.root_server()
         await self.listeners.bind(self.server)
         await self.server.start()
         await self.listeners.start()
