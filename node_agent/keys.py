@@ -13,6 +13,16 @@ that stops reading keeps its last good keys and says why in the log; one
 that has never read refuses to let a checkpoint of any domain go out in the
 clear. Key bytes are never logged or shown.
 
+A plugin runs on a thread of its own (`run_plugin`), never on an asyncio
+event loop: a caller on a worker thread waits for the run it needs (at most
+the plugin's ``timeout``), while a call made on an event loop's thread
+starts the run and goes on with the keys already known. Async code that
+needs a key only a plugin can give asks from a worker thread
+(``asyncio.to_thread``). The plugin gets no stdin, a minimal environment
+(`PLUGIN_ENV` and the variables its ``env`` names), ``/`` as its directory
+and a session of its own; its stdout and stderr are bounded while they are
+read, and when it ends, overruns or times out, its process group is killed.
+
 The keyring document (YAML or JSON; unknown keys are refused)::
 
     domains:
@@ -25,15 +35,19 @@ The keyring document (YAML or JSON; unknown keys are refused)::
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
 import os
+import selectors
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import IO, Any, Final
 
 import msgspec
 
@@ -48,6 +62,10 @@ MAX_KEYRING_BYTES: Final = 1 << 20
 MAX_KEYS: Final = 4096
 _STAT_EVERY: Final = 1.0
 _MISS_RETRY: Final = 10.0
+# A KMS plugin's environment: this, plus the variables its `env` names (docs/security.md).
+PLUGIN_ENV: Final[Mapping[str, str]] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+MAX_PLUGIN_STDOUT: Final = MAX_KEYRING_BYTES
+MAX_PLUGIN_STDERR: Final = 64 << 10
 
 
 def parse_keyring(data: bytes, where: str) -> dict[str, tuple[SealKey, ...]]:
@@ -94,6 +112,91 @@ def parse_keyring(data: bytes, where: str) -> dict[str, tuple[SealKey, ...]]:
     return out
 
 
+def plugin_environment(names: Sequence[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A plugin's environment: `PLUGIN_ENV`, and the variables ``names`` lists that the agent has."""
+    environ = os.environ if environ is None else environ
+    return {**PLUGIN_ENV, **{n: environ[n] for n in names if n in environ}}
+
+
+def run_plugin(source: KeySource) -> bytes:
+    """Run a KMS plugin (blocking: call it from a thread of its own) and return its stdout.
+
+    Unavailable, saying why, when it cannot start, overruns a bound, outlives
+    its ``timeout`` or exits other than 0. Its whole process group is killed
+    when it is done with, so a timeout takes its children too.
+    """
+    try:
+        proc = subprocess.Popen(  # noqa: S603 - the operator's own plugin, from the config
+            list(source.exec), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=plugin_environment(source.env), cwd="/", start_new_session=True, close_fds=True,
+        )
+    except OSError as exc:
+        raise errors.Unavailable(f"cannot run: {exc.strerror}") from None
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        out, err, why = _collect(proc, proc.stdout, proc.stderr, source.timeout)
+    except OSError as exc:
+        out, err, why = b"", b"", f"cannot read its output: {exc.strerror}"
+    finally:
+        # The leader is not reaped yet, so its group id cannot have been reused.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.stdout.close()
+        proc.stderr.close()
+        proc.wait()
+    if why:
+        raise errors.Unavailable(why)
+    if proc.returncode != 0:
+        said = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        raise errors.Unavailable(f"exited with {proc.returncode}: {said[0][:300]}")
+    return out
+
+
+def _collect(
+    proc: subprocess.Popen[bytes], stdout: IO[bytes], stderr: IO[bytes], timeout: float
+) -> tuple[bytes, bytes, str]:
+    """Read both pipes to their end and wait for the plugin to exit, within the bounds; why not, if not."""
+    bounds = {stdout.fileno(): ("stdout", MAX_PLUGIN_STDOUT), stderr.fileno(): ("stderr", MAX_PLUGIN_STDERR)}
+    got = {fd: bytearray() for fd in bounds}
+    deadline = time.monotonic() + timeout
+    exited = os.pidfd_open(proc.pid)  # readable once the plugin exited (not reaped)
+    try:
+        with selectors.DefaultSelector() as sel:
+            for fd in (*bounds, exited):
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return b"", b"", f"did not answer within {timeout:g}s"
+                for key, _ in sel.select(left):
+                    fd = key.fd
+                    if fd == exited:
+                        sel.unregister(fd)
+                        continue
+                    data = os.read(fd, 1 << 16)
+                    if not data:
+                        sel.unregister(fd)
+                        continue
+                    got[fd] += data
+                    name, bound = bounds[fd]
+                    if len(got[fd]) > bound:
+                        return b"", b"", f"printed more than {bound} bytes on {name}; stopped"
+    finally:
+        os.close(exited)
+    return bytes(got[stdout.fileno()]), bytes(got[stderr.fileno()]), ""
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (which must never wait on a plugin)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class _Source:
     """One configured source and the keys it last read."""
 
@@ -106,6 +209,7 @@ class _Source:
         self._stamp: tuple[int, int, int, int] | None = None
         self._checked = -1e18
         self._ran = -1e18
+        self.running: Future[None] | None = None  # a plugin's run in flight
 
     @property
     def path(self) -> str:
@@ -115,15 +219,17 @@ class _Source:
     def name(self) -> str:
         return f"{self.config.kind} {self.config.where}"
 
-    def refresh(self, *, interval: float, missing: bool = False, reading: bool = False) -> bool:
-        """Re-read if due; whether the keys changed. ``reading``: for a blob being read, a plugin runs only on a miss."""
+    def plugin_due(self, *, interval: float, missing: bool, reading: bool) -> bool:
+        """Whether a plugin's run is due now; if so, it counts as run from now. ``reading``: only on a miss."""
         now = self.clock()
-        if self.config.exec:
-            due = (now - self._ran >= interval and not reading) or (missing and now - self._ran >= _MISS_RETRY)
-            if not due:
-                return False
+        due = (now - self._ran >= interval and not reading) or (missing and now - self._ran >= _MISS_RETRY)
+        if due:
             self._ran = now
-            return self._take(self._run)
+        return due
+
+    def refresh(self) -> bool:
+        """Re-read a file or Secret if it changed (checked at most once a second); whether the keys changed."""
+        now = self.clock()
         if now - self._checked < _STAT_EVERY:
             return False
         self._checked = now
@@ -140,21 +246,6 @@ class _Source:
     def _read(self) -> bytes:
         with open(self.path, "rb") as fh:
             return fh.read(MAX_KEYRING_BYTES + 1)
-
-    def _run(self) -> bytes:
-        try:
-            done = subprocess.run(  # noqa: S603 - the operator's own plugin, from the config
-                list(self.config.exec), stdin=subprocess.DEVNULL, capture_output=True,
-                timeout=self.config.timeout, check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise errors.Unavailable(f"did not answer within {self.config.timeout:g}s") from None
-        except OSError as exc:
-            raise errors.Unavailable(f"cannot run: {exc.strerror}") from None
-        if done.returncode != 0:
-            said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            raise errors.Unavailable(f"exited with {done.returncode}: {said[0][:300]}")
-        return done.stdout
 
     def _take(self, read: Callable[[], bytes]) -> bool:
         try:
@@ -202,21 +293,70 @@ class Keys:
         return fallback or namespace
 
     def refresh(self, *, missing: bool = False, reading: bool = False) -> None:
-        """Re-read the sources that are due (see the module's rule)."""
+        """Re-read the sources that are due (see the module's rule).
+
+        A plugin that is due runs on a thread of its own. The caller waits
+        for it, and for a run already in flight (unless it only reads a blob
+        and misses no key), except on an event loop's thread, which never
+        waits: there the run goes on in the background.
+        """
+        runs: list[Future[None]] = []
         with self._lock:
             changed = False
             for source in self._sources:
-                changed |= source.refresh(interval=self.settings.refresh_interval, missing=missing, reading=reading)
+                if not source.config.exec:
+                    changed |= source.refresh()
+                    continue
+                if source.running is not None:
+                    if missing or not reading:
+                        runs.append(source.running)
+                elif source.plugin_due(interval=self.settings.refresh_interval, missing=missing, reading=reading):
+                    runs.append(self._start(source))
             if changed or (missing and not self._by_id):
-                by_id: dict[str, SealKey] = {}
-                for source in self._sources:
-                    for keys in source.domains.values():
-                        for key in keys:
-                            first = by_id.setdefault(key.key_id, key)
-                            if first.secret != key.secret:
-                                log.warning("key id %s: %s has other bytes than an earlier source; the earlier wins",
-                                            key.key_id, source.name())
-                self._by_id = by_id
+                self._index()
+        if runs and not _on_event_loop():
+            for run in runs:
+                run.result()
+
+    def _index(self) -> None:
+        """Every source's keys by id, the earliest source winning (under the lock)."""
+        by_id: dict[str, SealKey] = {}
+        for source in self._sources:
+            for keys in source.domains.values():
+                for key in keys:
+                    first = by_id.setdefault(key.key_id, key)
+                    if first.secret != key.secret:
+                        log.warning("key id %s: %s has other bytes than an earlier source; the earlier wins",
+                                    key.key_id, source.name())
+        self._by_id = by_id
+
+    def _start(self, source: _Source) -> Future[None]:
+        """Run `source`'s plugin on a thread of its own (under the lock); done when its keys are taken."""
+        run: Future[None] = Future()
+        source.running = run
+
+        def work() -> None:
+            try:
+                try:
+                    out: bytes | errors.AgentError = run_plugin(source.config)
+                except errors.AgentError as exc:
+                    out = exc
+
+                def read() -> bytes:
+                    if isinstance(out, errors.AgentError):
+                        raise out
+                    return out
+
+                with self._lock:
+                    if source._take(read):
+                        self._index()
+            finally:
+                with self._lock:
+                    source.running = None
+                run.set_result(None)
+
+        threading.Thread(target=work, name=f"key plugin {source.config.exec[0]}", daemon=True).start()
+        return run
 
     def key(self, key_id: str) -> SealKey | None:
         """The key with this id from any source, or None.
@@ -243,8 +383,9 @@ class Keys:
         domain = self.domain_of(namespace)
         for source in self._sources:
             if not source.loaded:
+                why = source.problem or ("its first run has not ended" if source.running else "not read yet")
                 raise errors.FailedPrecondition(
-                    f"encryption key source {source.name()} has not given any keys ({source.problem}); "
+                    f"encryption key source {source.name()} has not given any keys ({why}); "
                     f"refusing to write a checkpoint of namespace {namespace} (key domain {domain}) unencrypted"
                 )
             keys = source.domains.get(domain)

@@ -112,11 +112,12 @@ class LazyRestores:
         if callers:
             private = await asyncio.to_thread(_private_source, store, record, plan_dir, where, cname)
         hold = await asyncio.to_thread(store.hold, record) if private is None else None
+        seal_key = await asyncio.to_thread(_seal_key, store, record)  # a KMS plugin may run: off the event loop
         session = LazySession(self.settings, where, cname, container_id, record.id, plan_dir,
                               store.root if private is None else private.root,
                               origin=origin, passwords=passwords, hold=hold,
                               private_store=private is not None, exists=exists,
-                              seal_key=_seal_key(store, record))
+                              seal_key=seal_key)
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)
