@@ -38,7 +38,7 @@ over --runs:
 Every checkpoint is checked from outside: `checkpoints inspect` must show the
 key id for the encrypted variant and none for the clear one, and every blob
 the checkpoint added to the store must start with the sealed-blob header
-(`NAS1`) for the encrypted variant, but for its manifest (a JSON document,
+(`NAS2`) for the encrypted variant, but for its manifest (a JSON document,
 never sealed); the clear variant adds no sealed blob. It prints the medians
 and the ratios (encrypted / clear, limit 1.15x; repeated-checkpoint growth,
 limit 5%), writes every raw sample to --out and, with --write-docs, regenerates
@@ -76,7 +76,7 @@ KEY_ID = "bench-1"
 VARIANTS = ("clear", "encrypted")
 # Source and restore namespaces of each variant: only the encrypted ones are in the key domain.
 NAMESPACES = {"clear": ("plain", "plain-r"), "encrypted": ("bench", "bench-r")}
-SEALED_MAGIC = b"NAS1"  # node_agent.store.sealing.MAGIC: the first bytes of every sealed blob
+SEALED_MAGIC = b"NAS2"  # node_agent.store.sealing.MAGIC: the first bytes of every blob sealed now
 MAX_DOCUMENT_BYTES = 4 << 20
 QUIET_CORES = 0.3  # busy cores (of two) below which the machine counts as quiet before a round
 

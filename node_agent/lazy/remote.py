@@ -22,7 +22,7 @@ def memory_chunks(store: Store, config_digest: str, config_size: int) -> set[str
     nothing is left behind (the pull is whole, and opens once the key is here).
     """
     data = store.blobs.read(config_digest, config_size)
-    if data.startswith(sealing.MAGIC):
+    if sealing.is_sealed(data):
         try:
             opened = store.blobs.open_config(data)
         except sealing.SealError as exc:

@@ -64,7 +64,7 @@ def _looks_incompressible(data: bytes | bytearray | memoryview) -> bool:
 
 
 def encode(data: bytes | bytearray | memoryview) -> tuple[bytes | bytearray | memoryview, str]:
-    """The stored form of a chunk and its encoding name."""
+    """The stored form of a chunk and its encoding name; identity returns ``data`` itself, the same object."""
     if _looks_incompressible(data):
         return data, IDENTITY
     packed = _compressor().compress(data)

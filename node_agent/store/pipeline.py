@@ -232,7 +232,12 @@ class ChunkPipeline:
             plain = ""
             if self._seal is not None:
                 raw = sealing.plain_digest(view)
-                stored = self._seal.seal_into(sealing.CHUNK, stored, raw, self._sealed_buffer(len(stored)))
+                # The seal's key derives from the digest of the bytes it encrypts. For a chunk
+                # stored as it is (codec returns the very view) that is the plaintext's, in hand.
+                known = raw if stored is view else None
+                stored = self._seal.seal_into(
+                    sealing.CHUNK, stored, raw, self._sealed_buffer(len(stored)), data_digest=known
+                )
                 encoding, plain = SEALED_ENCODINGS[encoding], "sha256:" + raw.hex()
             digest = "sha256:" + hashlib.sha256(stored).hexdigest()
             new = self._ingest.put(digest, stored)

@@ -1,17 +1,37 @@
-"""Sealed (encrypted) checkpoints in the store: round trips, dedup per key domain, what stays in the clear."""
+"""Sealed (encrypted) checkpoints in the store: round trips, dedup per domain, what stays in the clear, versions."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zstandard
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from node_agent.errors import DataLoss, FailedPrecondition
-from node_agent.store import Store
-from node_agent.store.manifest import CHUNK_SEALED_MEDIA_TYPE, CONFIG_SEALED_MEDIA_TYPE, KEY_ID_ANNOTATION
-from node_agent.store.sealing import CHUNK, CONFIG, SealError, SealKey, StaticKeyring, overhead
+from node_agent.store import Store, codec
+from node_agent.store.manifest import (
+    CHUNK_SEALED_MEDIA_TYPE,
+    CONFIG_SEALED_MEDIA_TYPE,
+    IDENTITY,
+    KEY_ID_ANNOTATION,
+    ZSTD,
+)
+from node_agent.store.sealing import (
+    CHUNK,
+    CONFIG,
+    SealError,
+    SealKey,
+    StaticKeyring,
+    is_sealed,
+    key_id_of,
+    overhead,
+    parse_header,
+)
 
 SECRET = b"na-secret-" + b"7f3a9c" * 6
 KEY_A = SealKey("team-a-1", bytes(range(32)), "team-a")
@@ -191,3 +211,153 @@ def test_copy_reseals_under_a_new_key_keeping_files_metadata_and_created(tmp_pat
     dest.mkdir()
     store.materialize(clear.id, dest)
     assert (dest / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+
+
+# Format versions: the key and nonce derive from the exact bytes sealed (version 2); version 1 still opens.
+
+TEXT = b"".join(b"line %d holds %d and %d\n" % (i, i * i % 977, i % 13) for i in range(20000))
+
+
+def _seal_v1(key: SealKey, kind: int, data: bytes | bytearray | memoryview, plain_digest: bytes,
+             out: bytearray, *, data_digest: bytes | None = None) -> memoryview:
+    """A blob as version 1 sealed it: ``ident`` from the plaintext's digest, whatever bytes are encrypted."""
+    digest = plain_digest if kind == CHUNK else hashlib.sha256(data).digest()
+    label = {CHUNK: b"node-agent chunk v1\0", CONFIG: b"node-agent config v1\0"}[kind]
+    ident = hmac.digest(key.secret, label + digest, "sha256")
+    kid = key.key_id.encode("ascii")
+    header = b"NAS1" + bytes((kind, len(kid))) + kid + ident[:12] + ident
+    cipher = AESGCM(hmac.digest(key.secret, b"node-agent key v1\0" + ident, "sha256"))
+    sealed = header + cipher.encrypt(ident[:12], bytes(data), header + plain_digest if kind == CHUNK else header)
+    out[: len(sealed)] = sealed
+    return memoryview(out)[: len(sealed)]
+
+
+def _v1(kind: int, data: bytes, plain_digest: bytes = b"") -> bytes:
+    return bytes(_seal_v1(KEY_A, kind, data, plain_digest, bytearray(len(data) + overhead(KEY_A.key_id))))
+
+
+def _parts(blob: bytes) -> tuple[bytes, bytes]:
+    """(nonce and ident, ciphertext without its tag) of a sealed chunk."""
+    _, start, _ = parse_header(blob, CHUNK)
+    return blob[start - 44 : start], blob[start:-16]
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    n = min(len(a), len(b))
+    return (int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")).to_bytes(n, "big")
+
+
+def _encodings() -> list[bytes]:
+    """Three different stored forms of TEXT: as it is, the store's zstd, and zstd at level 19."""
+    fast, name = codec.encode(TEXT)
+    assert name == ZSTD
+    out = [TEXT, bytes(fast), zstandard.ZstdCompressor(level=19).compress(TEXT)]
+    assert len(set(out)) == 3
+    return out
+
+
+def test_two_encodings_of_one_plaintext_never_share_a_key_and_nonce() -> None:
+    plain = hashlib.sha256(TEXT).digest()
+    encodings = _encodings()
+    blobs = [KEY_A.seal(CHUNK, e, plain) for e in encodings]
+    assert all(b.startswith(b"NAS2") for b in blobs)
+    idents = [_parts(b)[0] for b in blobs]
+    assert len({i[:12] for i in idents}) == 3 and len(set(idents)) == 3  # nonces, and keys (derived from ident)
+    for i in range(3):
+        assert KEY_A.open(CHUNK, blobs[i], plain) == encodings[i]
+        for j in range(i + 1, 3):
+            assert _xor(_parts(blobs[i])[1], _parts(blobs[j])[1]) != _xor(encodings[i], encodings[j])
+    # What version 1 did: one (key, nonce) for every encoding, and C1 xor C2 = E1 xor E2.
+    old = [_v1(CHUNK, e, plain) for e in encodings]
+    assert len({_parts(b)[0] for b in old}) == 1
+    assert _xor(_parts(old[0])[1], _parts(old[1])[1]) == _xor(encodings[0], encodings[1])
+
+
+def test_the_same_encoding_still_dedups_and_domains_stay_apart() -> None:
+    plain = hashlib.sha256(TEXT).digest()
+    stored = _encodings()[1]
+    blob = KEY_A.seal(CHUNK, stored, plain)
+    assert KEY_A.seal(CHUNK, stored, plain) == blob
+    assert KEY_A.seal(CHUNK, stored, plain, data_digest=hashlib.sha256(stored).digest()) == blob
+    assert KEY_B.seal(CHUNK, stored, plain) != blob
+    config = KEY_A.seal(CONFIG, TEXT)
+    assert config.startswith(b"NAS2") and KEY_A.seal(CONFIG, TEXT) == config and KEY_A.open(CONFIG, config) == TEXT
+    with pytest.raises(ValueError, match="plaintext digest"):
+        KEY_A.seal(CHUNK, stored)
+    with pytest.raises(ValueError, match="plaintext digest"):
+        KEY_A.seal(CONFIG, TEXT, plain)
+    with pytest.raises(ValueError, match="digest of the sealed bytes"):
+        KEY_A.seal(CHUNK, stored, plain, data_digest=plain[:16])
+
+
+def test_the_store_seals_each_chunk_from_its_stored_bytes(tmp_path: Path) -> None:
+    """The writer's shortcut (a chunk stored as it is reuses its plaintext digest) derives what a full hash does."""
+    src = _tree(tmp_path)
+    (src / "text").write_bytes(TEXT)
+    store = Store(tmp_path / "store", keys=StaticKeyring([KEY_A]))
+    rec = store.get(_commit(store, src, KEY_A))
+    encodings = set()
+    for entry in rec.files:
+        data = b"" if entry.is_dir else (src / entry.path).read_bytes()
+        for chunk in entry.chunks:
+            content = data[chunk.offset : chunk.offset + chunk.size]
+            stored, name = codec.encode(content)
+            encodings.add(name)
+            expected = KEY_A.seal(CHUNK, stored, hashlib.sha256(content).digest())
+            assert Path(store.blob_path(chunk.digest)).read_bytes() == expected
+    assert encodings == {IDENTITY, ZSTD}
+    assert Path(store.blob_path(store.descriptors(rec.id)[0].digest)).read_bytes().startswith(b"NAS2")
+
+
+def test_version_1_blobs_and_checkpoints_still_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = hashlib.sha256(b"content").digest()
+    blob = _v1(CHUNK, b"content", plain)
+    assert blob.startswith(b"NAS1") and key_id_of(blob, CHUNK) == "team-a-1"
+    assert KEY_A.open(CHUNK, blob, plain) == b"content"
+    with pytest.raises(SealError, match="authentication"):  # swapped
+        KEY_A.open(CHUNK, blob, hashlib.sha256(b"other").digest())
+    with pytest.raises(SealError, match="authentication"):  # relabelled as version 2
+        KEY_A.open(CHUNK, b"NAS2" + blob[4:], plain)
+    assert KEY_A.open(CONFIG, _v1(CONFIG, b"{}")) == b"{}"
+    # A whole checkpoint sealed before version 2.
+    src = _tree(tmp_path)
+    root = tmp_path / "store"
+    with monkeypatch.context() as m:
+        m.setattr(SealKey, "seal_into", _seal_v1)
+        old = _commit(Store(root, keys=StaticKeyring([KEY_A])), src, KEY_A)
+    store = Store(root, keys=StaticKeyring([KEY_A]))
+    assert all(Path(store.blob_path(d.digest)).read_bytes().startswith(b"NAS1") for d in store.descriptors(old))
+    assert store.verify(old) == []
+    dest = tmp_path / "out"
+    dest.mkdir()
+    store.materialize(old, dest)
+    for name in ("pages-1.img", "d/zeros.img", "empty"):
+        assert (dest / name).read_bytes() == (src / name).read_bytes()
+    # Sealed again now, the same files become version 2 blobs: nothing is shared with the old ones.
+    new = store.copy(old, seal=KEY_A)
+    assert new.id != old and not {d.digest for d in store.descriptors(new.id)} & {
+        d.digest for d in store.descriptors(old)}
+
+
+@pytest.mark.parametrize("mangle, message", [
+    (lambda b: b"NAS3" + b[4:], "unknown version b'NAS3'"),
+    (lambda b: b"NAS\x00" + b[4:], "unknown version"),
+    (lambda b: b"XXXX" + b[4:], "not a sealed blob"),
+    (lambda b: b[:3], "not a sealed blob"),
+    (lambda b: b[:5], "truncated"),
+    (lambda b: b[:40], "truncated"),
+    (lambda b: b[: len(b) - len(b"content") - 1], "truncated"),
+    (lambda b: b[:4] + b"\x01\x00" + b[6:], "truncated"),
+    (lambda b: b[:4] + b"\x01\x41" + b[6:], "truncated"),
+    (lambda b: b[:6] + b"\xff" + b[7:], "not ASCII"),
+    (lambda b: b[:6] + b"/" + b[7:], "malformed key id"),
+    (lambda b: b[:4] + b"\x02" + b[5:], "kind 2, expected 1"),
+])
+def test_hostile_headers_are_seal_errors(mangle: Callable[[bytes], bytes], message: str) -> None:
+    plain = hashlib.sha256(b"content").digest()
+    blob = mangle(KEY_A.seal(CHUNK, b"content", plain))
+    with pytest.raises(SealError, match=message):
+        KEY_A.open(CHUNK, blob, plain)
+    with pytest.raises(SealError, match=message):
+        key_id_of(blob, CHUNK)
+    assert is_sealed(blob) == blob.startswith((b"NAS1", b"NAS2"))
