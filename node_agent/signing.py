@@ -2,7 +2,11 @@
 
 Rule: a signature is trusted only once ``verify`` has checked it, and only
 for the namespaces whose ``restore.trusted-keys`` name its key by its full
-public key (never by its key id alone). Every signature document comes from
+public key (never by its key id alone). The node signs what it makes; a copy
+it makes of another checkpoint (``checkpoints rekey``) it signs only when the
+source carries a signature that verifies under a key trusted for the
+source's namespace or under the node's own key (``sign_copy``), so a copy
+never vouches for more than its source did. Every signature document comes from
 a store or a registry and is hostile: bounded, strict JSON, exact keys,
 digests checked, base64 canonical. The signed message is a fixed context
 followed by the checkpoint's manifest digest, so a signature can stand for
@@ -465,16 +469,47 @@ def sign_published(key_file: str, store: ReferrerStore, checkpoint_id: str) -> s
 # -- trusting -----------------------------------------------------------------------------
 
 
-def signers(store: ReferrerReader, checkpoint_id: str) -> list[str]:
-    """The key ids of the signatures of a checkpoint that verify (whether trusted or not), for people."""
-    found: list[str] = []
-    for _digest, manifest in store.referrers(checkpoint_id, SIGNATURE_ARTIFACT_TYPE):
+def _verified(store: ReferrerReader, checkpoint_id: str) -> tuple[list[SignatureBlob], list[str]]:
+    """The signatures of a checkpoint that verify (in the store's order), and why each other one does not."""
+    good: list[SignatureBlob] = []
+    broken: list[str] = []
+    for digest, manifest in store.referrers(checkpoint_id, SIGNATURE_ARTIFACT_TYPE):
         try:
             doc = decode_signature_manifest(manifest)
-            found.append(check(manifest, store.read_blob(doc.layer.digest, doc.layer.size), checkpoint_id).key_id)
-        except AgentError:  # SignatureError included: not shown as a signer
-            continue
-    return sorted(set(found))
+            good.append(check(manifest, store.read_blob(doc.layer.digest, doc.layer.size), checkpoint_id))
+        except SignatureError as exc:
+            broken.append(str(exc))
+        except AgentError as exc:  # the blob is missing or damaged in the store
+            broken.append(f"signature {digest}: {exc}")
+    return good, broken
+
+
+def _judge(store: ReferrerReader, checkpoint_id: str, trusted: Mapping[bytes, str], trusted_for: str,
+           own: bytes | None = None) -> tuple[SignatureBlob | None, list[str]]:
+    """(the first verified signature by a ``trusted`` key or by ``own``, or None; why none is, when it is None).
+
+    ``trusted_for`` says in messages whom the keys are trusted for.
+    """
+    good, broken = _verified(store, checkpoint_id)
+    for sig in good:
+        if sig.public_key in trusted or sig.public_key == own:
+            return sig, []
+    why: list[str] = []
+    untrusted = sorted({sig.key_id for sig in good})
+    if untrusted:
+        whom = "no key" if not trusted else ", ".join(sorted(set(trusted.values())))
+        why.append(f"it is signed by {', '.join(untrusted)}, which is not trusted for {trusted_for} "
+                   f"(restore.trusted-keys trusts {whom} there)")
+    if broken:
+        why.append("a signature does not verify, so it was tampered with: " + "; ".join(broken[:4]))
+    if not why:
+        why.append("it has no signature")
+    return None, why
+
+
+def signers(store: ReferrerReader, checkpoint_id: str) -> list[str]:
+    """The key ids of the signatures of a checkpoint that verify (whether trusted or not), for people."""
+    return sorted({sig.key_id for sig in _verified(store, checkpoint_id)[0]})
 
 
 def require_trusted(store: ReferrerReader, record: Record, settings: TrustSettings, namespace: str) -> str:
@@ -487,31 +522,47 @@ def require_trusted(store: ReferrerReader, record: Record, settings: TrustSettin
     be read is FailedPrecondition/InvalidArgument naming it.
     """
     cid = record.id
-    trusted = trusted_keys(settings.restore.trusted_keys, namespace)
-    untrusted: list[str] = []
-    broken: list[str] = []
-    for digest, manifest in store.referrers(cid, SIGNATURE_ARTIFACT_TYPE):
-        try:
-            doc = decode_signature_manifest(manifest)
-            sig = check(manifest, store.read_blob(doc.layer.digest, doc.layer.size), cid)
-        except SignatureError as exc:
-            broken.append(str(exc))
-            continue
-        except AgentError as exc:  # the blob is missing or damaged in the store
-            broken.append(f"signature {digest}: {exc}")
-            continue
-        if sig.public_key in trusted:
-            log.info("checkpoint %s: signed by %s, trusted for namespace %s", cid, sig.key_id, namespace,
-                     extra={"checkpoint": cid})
-            return sig.key_id
-        untrusted.append(sig.key_id)
-    why: list[str] = []
-    if untrusted:
-        whom = "no key" if not trusted else ", ".join(sorted(set(trusted.values())))
-        why.append(f"it is signed by {', '.join(sorted(set(untrusted)))}, which is not trusted for namespace "
-                   f"{namespace!r} (restore.trusted-keys trusts {whom} there)")
-    if broken:
-        why.append("a signature does not verify, so it was tampered with: " + "; ".join(broken[:4]))
-    if not why:
-        why.append("it has no signature")
+    sig, why = _judge(store, cid, trusted_keys(settings.restore.trusted_keys, namespace), f"namespace {namespace!r}")
+    if sig is not None:
+        log.info("checkpoint %s: signed by %s, trusted for namespace %s", cid, sig.key_id, namespace,
+                 extra={"checkpoint": cid})
+        return sig.key_id
     raise PermissionDenied(f"checkpoint {cid} may not be restored into namespace {namespace!r}: {'; '.join(why)}")
+
+
+@dataclass(frozen=True)
+class CopySignature:
+    """Whether the node signed a copy it made of a checkpoint: ``signer`` (its key id) or why not (``unsigned``)."""
+
+    signer: str = ""
+    unsigned: str = ""
+
+
+def sign_copy(key_file: str, store: ReferrerStore, source: Record, copy_id: str, settings: TrustSettings,
+              namespace: str) -> CopySignature:
+    """Sign ``copy_id``, a copy of ``source`` just published (``checkpoints rekey``), if the source is vouched for.
+
+    A node's signature says the node vouches for the checkpoint. A copy is
+    signed (``sign_published``) only when a signature of ``source``
+    verifies under a key trusted for ``namespace`` (its
+    ``restore.trusted-keys`` entries and ``"*"``'s) or under the node's own
+    signing key; otherwise it is published unsigned, and the result (and a
+    warning) says why. Without ``key_file`` nothing is signed, as for every
+    checkpoint. A trusted-key entry that cannot be read fails the call,
+    naming it.
+    """
+    if not key_file:
+        return CopySignature()
+    own = raw_public(signer_for(key_file).key().public_key())
+    trusted = trusted_keys(settings.restore.trusted_keys, namespace)
+    sig, why = _judge(store, source.id, trusted, f"namespace {namespace!r} nor this node's key", own)
+    if sig is None:
+        reason = (f"its source {source.id} carries no signature that verifies under a key trusted for namespace "
+                  f"{namespace!r} or under this node's key: {'; '.join(why)}")
+        log.warning("checkpoint %s (a copy of %s) is left unsigned: %s", copy_id, source.id, reason,
+                    extra={"checkpoint": copy_id, "phase": "sign"})
+        return CopySignature(unsigned=reason)
+    sign_published(key_file, store, copy_id)
+    log.info("checkpoint %s (a copy of %s) signed: its source is signed by %s", copy_id, source.id, sig.key_id,
+             extra={"checkpoint": copy_id, "phase": "sign"})
+    return CopySignature(signer=key_id(own))

@@ -185,11 +185,12 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
     async def RekeyCheckpoint(self, request: pb.RekeyCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.RekeyCheckpointResponse:
         rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
-        new = await self._unary(context, lambda: self.checkpointer.rekey(rec))
+        new, signed = await self._unary(context, lambda: self.checkpointer.rekey(rec))
         if request.replace and new.id != rec.id:
             await self._unary(context, lambda: self.store.remove(rec.id))
         return pb.RekeyCheckpointResponse(checkpoint_id=new.id, key_id=new.key_id, previous_id=rec.id,
-                                          previous_key_id=rec.key_id, replaced=request.replace and new.id != rec.id)
+                                          previous_key_id=rec.key_id, replaced=request.replace and new.id != rec.id,
+                                          signed_by=signed.signer, unsigned_reason=signed.unsigned)
 
     async def GarbageCollect(self, request: pb.GarbageCollectRequest, context: grpc.aio.ServicerContext) -> pb.GarbageCollectResponse:
         report = await self._unary(context, lambda: self.gc(dry_run=request.dry_run))
@@ -263,7 +264,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
                 # The password stays in memory, for the chunks fetched later.
                 store.origins.fetcher.passwords[repository_key(request.reference)] = creds.password
             return registry.pull(store, request.reference, creds, progress=progress, defer=defer,
-                                 settings=self.settings.registry)
+                                 settings=self.settings.registry, min_free_bytes=self.settings.min_free_bytes)
 
         async for ev in self._transfer(context, fn, request.reference):
             yield ev

@@ -163,6 +163,10 @@ def cmd_rekey(args: argparse.Namespace) -> int:
         sys.stderr.write(f"{resp.previous_id} ({resp.previous_key_id or 'not encrypted'}) -> key "
                          f"{resp.key_id or 'none (its domain has no key)'}"
                          + ("; the old checkpoint is removed\n" if resp.replaced else "; the old checkpoint is kept\n"))
+        if resp.signed_by:
+            sys.stderr.write(f"the new checkpoint is signed by this node ({resp.signed_by})\n")
+        elif resp.unsigned_reason:
+            sys.stderr.write(f"the new checkpoint is NOT signed: {resp.unsigned_reason}\n")
     sys.stdout.write(resp.checkpoint_id + "\n")
     return 0
 

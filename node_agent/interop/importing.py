@@ -37,6 +37,7 @@ from node_agent.interop.plans import Out, foreign_plan, own_plan
 from node_agent.interop.staging import Meter, Staging, free_bytes
 from node_agent.podformat import manifest_annotations
 from node_agent.store import CheckpointRecord, Store
+from node_agent.store.records import IMPORTED
 from node_agent.store.sealing import SealKey
 
 # The key a namespace's checkpoints are encrypted under (None: in the clear).
@@ -75,7 +76,8 @@ def _commit(
                 if out.staged is None:
                     raise errors.Internal(f"no content staged for {out.path}")
                 w.add_file(out.path, staging.path(out.staged), mode=out.mode)
-        return w.commit(meta, annotations=manifest_annotations(meta))
+        # Made elsewhere: the store records it as imported (retention never prefers it to the node's own).
+        return w.commit(meta, annotations=manifest_annotations(meta), provenance=IMPORTED)
 
 
 def import_archive(

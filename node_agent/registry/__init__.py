@@ -12,12 +12,13 @@ may ask (docs/registry.md).
 """
 
 from node_agent.registry.auth import Credentials
-from node_agent.registry.ports import Progress, ProgressCallback, PullReport, PushReport
+from node_agent.registry.ports import Admission, Progress, ProgressCallback, PullReport, PushReport
 from node_agent.registry.pulling import pull
 from node_agent.registry.pushing import push
 from node_agent.registry.reference import Reference, parse_reference
 
 __all__ = [
+    "Admission",
     "Credentials",
     "Progress",
     "ProgressCallback",

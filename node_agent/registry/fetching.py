@@ -19,7 +19,7 @@ from node_agent.config import RegistrySettings
 from node_agent.errors import InvalidArgument
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
-from node_agent.registry.ports import BlobSink
+from node_agent.registry.ports import BlobSink, Record
 from node_agent.registry.pulling import _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
@@ -66,7 +66,7 @@ class RemoteBlobs:
 
     def __init__(
         self,
-        store: BlobSink,
+        store: BlobSink[Record],
         *,
         passwords: Mapping[str, str] | None = None,
         timeout: float | None = None,

@@ -1,16 +1,21 @@
 """Pull: a checkpoint from a registry repository into the store.
 
 The manifest is fetched, bounded, checked against its digest and read as
-hostile input; each blob the store lacks is streamed into one store import,
-which verifies it and skips (without a request) the blobs it already holds;
-the import commits the manifest last, and the checkpoint's signatures
-(fetched and verified before it, ``referrers``) are attached to it. A pull
-that stopped half-way keeps the blobs it finished (linked into the store as
+hostile input; before a byte is written, what the pull brings must fit its
+bound (``budget``: ``registry.max-pull-bytes``, ``min-free-bytes``), which
+counts every byte again as it arrives. Each blob the store lacks is streamed
+into one store import, which verifies it and skips (without a request) the
+blobs it already holds; the import stages the manifest (the checkpoint
+whole, listed nowhere), an ``admit`` callback judges it with the
+signatures fetched and verified before (``referrers``), and only then is it
+published and its signatures attached. A refused admission discards the
+import: nothing of what the pull brought stays. A pull that stopped
+half-way otherwise keeps the blobs it finished (linked into the store as
 each one is verified, kept until garbage collection), so running it again
-fetches only the rest; the import's
-staging goes with it (a lazy pull's origin record, which holds no password,
-stays for garbage collection). A pull that fails, is stopped or runs out of
-time is logged as one warning naming the reference and the reason.
+fetches only the rest; the import's staging goes with it (a lazy pull's
+origin record, which holds no password, stays for garbage collection). A
+pull that fails, is stopped, refused or runs out of time is logged as one
+warning naming the reference and the reason.
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Generator
 
-from node_agent.config import RegistrySettings
+from node_agent.config import DEFAULT_MIN_FREE_BYTES, RegistrySettings
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
 from node_agent.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry import referrers
 from node_agent.registry.auth import Credentials
+from node_agent.registry.budget import PullBudget
 from node_agent.registry.failures import log_failure
 from node_agent.registry.manifest import parse_manifest
-from node_agent.registry.ports import BlobImporter, BlobSink, ProgressCallback, PullReport
+from node_agent.registry.ports import R, Admission, BlobImporter, BlobSink, ProgressCallback, PullReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
 from node_agent.registry.transport import Session
@@ -42,7 +48,7 @@ def recorded_origin(reference: str, creds: Credentials) -> dict[str, object]:
 
 
 def pull(
-    store: BlobSink,
+    store: BlobSink[R],
     ref: str | Reference,
     creds: Credentials,
     *,
@@ -50,33 +56,44 @@ def pull(
     timeout: float | None = None,
     defer: Callable[[str, int], Collection[str]] | None = None,
     settings: RegistrySettings | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    admit: Callable[[Admission[R]], None] | None = None,
 ) -> PullReport:
     """Pull ``ref`` (``host/repo:tag`` or ``host/repo@sha256:...``) into ``store``; returns once it is published.
 
     ``settings`` (the agent's ``registry:`` section; its defaults when None)
     bound each request (``request-timeout``, ``min-rate`` for blobs) and
-    each socket operation (``io-timeout``, or ``timeout`` when given), and
-    name the token realms that may be asked. Safe to run again after any
-    failure. A lazy pull passes ``defer``: given the config blob (digest,
-    size), once it is in the store, it names the blobs to leave in the
-    registry; the store records the registry as their origin and readers
-    fetch them on demand (`fetching`).
+    each socket operation (``io-timeout``, or ``timeout`` when given), name
+    the token realms that may be asked, and bound the pull's size
+    (``max-pull-bytes``); ``min_free_bytes`` (the agent's
+    ``min-free-bytes``) stay free on the store's filesystem. Either bound
+    crossed is ResourceExhausted, before a byte is written when the
+    manifest shows it. Safe to run again after any failure. A lazy pull
+    passes ``defer``: given the config blob (digest, size), once it is in
+    the store, it names the blobs to leave in the registry; the store
+    records the registry as their origin and readers fetch them on demand
+    (`fetching`). ``admit``, when given, is called with the checkpoint
+    staged (whole in the store, its signatures verified, but not
+    published) and may raise to refuse it: then nothing the pull brought
+    stays in the store, and the exception comes out of ``pull`` unchanged.
     """
     try:
-        return _pull(store, ref, creds, progress, timeout, defer, settings)
+        return _pull(store, ref, creds, progress, timeout, defer, settings, min_free_bytes, admit)
     except BaseException as exc:
         log_failure(log, "pull", ref, exc)
         raise
 
 
 def _pull(
-    store: BlobSink,
+    store: BlobSink[R],
     ref: str | Reference,
     creds: Credentials,
     progress: ProgressCallback | None,
     timeout: float | None,
     defer: Callable[[str, int], Collection[str]] | None,
     settings: RegistrySettings | None,
+    min_free_bytes: int,
+    admit: Callable[[Admission[R]], None] | None,
 ) -> PullReport:
     reference = parse_reference(ref)
     if reference.tag is None and reference.digest is None:
@@ -86,22 +103,37 @@ def _pull(
     with Session(reference, creds, timeout=timeout, settings=settings, actions="pull") as session:
         tally.report("manifest")
         manifest, digest = _get_manifest(session)
+        pinned = f"{reference.registry}/{reference.repository}@{digest}"
         refs = parse_manifest(manifest)
         blobs = unique_blobs((b.digest, b.size) for b in refs)
+        budget = PullBudget(store, str(reference), min_free=min_free_bytes,
+                            max_bytes=(settings or RegistrySettings()).max_pull_bytes)
+        config = refs[0]
+        if defer is None:
+            budget.plan(blobs, "the checkpoint")
+        else:
+            budget.plan([(config.digest, config.size)], "what a lazy pull brings now")
         deferred: set[str] = set()
         with store.importer() as importer:
             if defer is not None:
-                config = refs[0]
-                _import_blob(session, importer, config.digest, config.size, digest, Tally(None))
+                _import_blob(session, importer, config.digest, config.size, digest, Tally(None), budget)
                 deferred = set(defer(config.digest, config.size)) - {config.digest}
                 blobs = [(d, size) for d, size in blobs if d not in deferred]
-                store.origins.remember(digest, recorded_origin(f"{reference.registry}/{reference.repository}@{digest}", creds))
+                budget.plan([(d, size) for d, size in blobs if d != config.digest], "what a lazy pull brings now")
+                store.origins.remember(digest, recorded_origin(pinned, creds))
             tally.plan([size for _, size in blobs])
             tally.report("blobs")
             for blob_digest, size in blobs:
-                _import_blob(session, importer, blob_digest, size, digest, tally)
+                _import_blob(session, importer, blob_digest, size, digest, tally, budget)
             signatures = referrers.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
             tally.report("commit")
+            staged = importer.stage(manifest, deferred=deferred)
+            if admit is not None:
+                try:
+                    admit(Admission(pinned, staged, tuple(signatures)))
+                except BaseException:
+                    _discard(importer, pinned)  # nothing of it stays: no record, no referrer, no blob it brought
+                    raise
             record = importer.commit(manifest, deferred=deferred)
         if not deferred:
             store.origins.settle(digest)
@@ -116,6 +148,14 @@ def _pull(
         f", {len(deferred)} left in the registry until needed" if deferred else "",
     )
     return PullReport(digest, tally.moved, tally.skipped, tally.bytes_moved)
+
+
+def _discard(importer: BlobImporter[R], reference: str) -> None:
+    """Drop a refused import; a failure to clean up is logged, never raised over the refusal."""
+    try:
+        importer.discard()
+    except Exception as exc:  # noqa: BLE001 - the refusal is what the caller must see
+        log.warning("pull of %s: the refused checkpoint's blobs stay until garbage collection: %s", reference, exc)
 
 
 def _get_manifest(session: Session) -> tuple[bytes, str]:
@@ -146,12 +186,15 @@ def _get_manifest(session: Session) -> tuple[bytes, str]:
     return data, digest
 
 
-def _import_blob(session: Session, importer: BlobImporter, digest: str, size: int, manifest: str, tally: Tally) -> None:
+def _import_blob(session: Session, importer: BlobImporter[R], digest: str, size: int, manifest: str, tally: Tally,
+                 budget: PullBudget | None = None) -> None:
     """Add one blob to the import; it is fetched only if the store does not have it.
 
     The importer records every blob it is given (so garbage collection keeps
     it until the import ends) and reads the stream only for a blob it lacks:
-    the download starts lazily, on the first read.
+    the download starts lazily, on the first read. The transport refuses a
+    body longer than ``size`` and the importer one that does not hash to
+    ``digest``; ``budget`` counts each piece before it is written.
     """
     started = False
 
@@ -165,7 +208,10 @@ def _import_blob(session: Session, importer: BlobImporter, digest: str, size: in
                 raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
             if resp.status != 200:
                 raise resp.error(what)
-            yield from tally.counted(resp.chunks(size, f"blob {digest}"))
+            for piece in tally.counted(resp.chunks(size, f"blob {digest}")):
+                if budget is not None:
+                    budget.charge(len(piece))
+                yield piece
 
     tally.restart_blob()
     stream = download()

@@ -40,7 +40,7 @@ from node_agent.store.chunking import Chunker
 from node_agent.store.gc import Collector, GcReport, RetentionPolicy, entry_refs
 from node_agent.store.importing import BlobImporter
 from node_agent.store.index import Index
-from node_agent.store.manifest import FileEntry, normalize_path
+from node_agent.store.manifest import FileEntry, is_checkpoint_entry, normalize_path
 from node_agent.store.origins import Origins
 from node_agent.store.reading import (
     DestTree,
@@ -50,7 +50,13 @@ from node_agent.store.reading import (
     verify_blobs,
     write_entries,
 )
-from node_agent.store.records import BadBlob, CheckpointRecord, RecoveryReport, created_epoch
+from node_agent.store.records import (
+    BadBlob,
+    CheckpointRecord,
+    RecoveryReport,
+    created_epoch,
+    without_store_annotations,
+)
 from node_agent.store.referrers import attach as attach_referrer
 from node_agent.store.referrers import listed as listed_referrers
 from node_agent.store.referrers import read_blob as read_referrer_blob
@@ -142,7 +148,8 @@ class Store:
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         self.lock_path = os.path.join(self.root, ".lock")
         self.index = Index(self.root, self.blobs, scratch_dir=self.ingest_dir, lock_path=self.lock_path,
-                           quarantine_dir=self.quarantine_dir)
+                           quarantine_dir=self.quarantine_dir,
+                           lazily_pulled=lambda cid: self.origins.get(cid) is not None)
         self.index_path = self.index.path
         self.layout_path = self.index.layout_path
         self.origins = Origins(self.root, self.blobs, self.index)
@@ -190,7 +197,7 @@ class Store:
     def importer(self) -> BlobImporter:
         """Start importing a checkpoint's blobs and manifest (takes a lease in ``ingest/``)."""
         try:
-            return BlobImporter(self.blobs, self.index, self.origins, ingest_dir=self.ingest_dir)
+            return BlobImporter(self.blobs, self.index, self.origins, self.collector, ingest_dir=self.ingest_dir)
         except OSError as exc:
             raise os_error(exc, f"creating an importer in {self.ingest_dir}") from exc
 
@@ -262,9 +269,12 @@ class Store:
         """(every readable checkpoint, newest first; why each unreadable one is unreadable)."""
         records: list[CheckpointRecord] = []
         problems: list[AgentError] = []
-        for cid in self.index.ids():
+        for entry in self.index.read():
+            if not is_checkpoint_entry(entry):
+                continue
+            cid = entry["digest"]
             try:
-                records.append(self.index.load(cid))
+                records.append(self.index.load(cid, entry))
             except AgentError as exc:
                 log.warning("skipping unreadable checkpoint: %s", exc, extra={"checkpoint": cid})
                 problems.append(exc)
@@ -353,7 +363,9 @@ class Store:
         """A new checkpoint with the same files, metadata and annotations, sealed under ``seal`` (None: clear).
 
         Every chunk is read, verified and written again (re-encrypted): the
-        plaintext passes through memory only. The creation time is kept.
+        plaintext passes through memory only. The creation time is kept, and
+        so is the provenance (a copy of a pulled checkpoint is pulled); the
+        copy is received now.
         """
         record = self._as_record(checkpoint)
         record.require_open()
@@ -364,7 +376,8 @@ class Store:
                     continue
                 with FileReader(self.blobs, record.id, entry, fetch=self.origins.fetch_for(record.id)) as reader:
                     w.add_reader(entry.path, reader, entry.size, mode=entry.mode)
-            return w.commit(record.metadata, annotations=dict(record.annotations))
+            return w.commit(record.metadata, annotations=without_store_annotations(record.annotations),
+                            provenance=record.provenance)
 
     # -- moving checkpoints between stores ---------------------------------------------------
 
@@ -437,6 +450,14 @@ class Store:
     def recover(self) -> RecoveryReport:
         """Clean up after crashes: dead ingest dirs, strays, unloadable checkpoints, orphan blobs (see ``repair``)."""
         return repair.recover(self.index, self.blobs, self.collector, ingest_dir=self.ingest_dir)
+
+    def free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still use on the store's filesystem."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            raise os_error(exc, f"measuring the free space of store {self.root!r}") from exc
+        return st.f_bavail * st.f_frsize
 
     def usage(self) -> int:
         """Bytes used by blobs (chunks, configs and manifests)."""

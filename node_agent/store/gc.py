@@ -5,9 +5,13 @@ a safe superset: every ``sha256:<hex>`` string found in a published
 manifest's raw bytes and in its config blob's raw bytes (so it works even
 for documents that fail validation), nested indexes followed, plus every
 digest a live writer or importer lease names and every digest in the
-quarantine. Retention only picks which published checkpoints to unpublish;
-unpublishing comes first, and the sweep that follows, under the same
-exclusive store lock, removes what nothing reaches. A checkpoint's referrer
+quarantine. Retention only picks which published checkpoints to unpublish,
+by what the store itself recorded (when each was received, whether it was
+made here), never by what a checkpoint says of itself, so checkpoints that
+came from elsewhere cannot push out the node's own; unpublishing comes
+first, and the sweep that follows, under the same exclusive store lock,
+removes what nothing reaches (``discard`` applies the same rule to the
+blobs of an import that was refused). A checkpoint's referrer
 records (its signatures) are unpublished with it. The policy functions do
 no I/O; ``entry_refs`` reads blobs; the ``Collector`` does the rest.
 """
@@ -19,7 +23,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -29,7 +33,7 @@ from node_agent.store.blobs import BlobStore, lease_is_live, live_refs, os_error
 from node_agent.store.index import Index, checkpoint_ids
 from node_agent.store.manifest import is_checkpoint_entry
 from node_agent.store.origins import Origins
-from node_agent.store.records import CheckpointRecord, created_epoch
+from node_agent.store.records import CheckpointRecord
 from node_agent.store.referrers import subject_of, without_orphans
 
 log = logging.getLogger(__name__)
@@ -46,13 +50,17 @@ _KEEP_DIRS: Final = ("quarantine", "checkpoints")
 class RetentionPolicy:
     """Which published checkpoints garbage collection keeps.
 
-    Rules apply in this order, each to what the previous ones kept:
-    ``max_age_seconds`` drops checkpoints created longer ago;
-    ``max_per_group`` keeps the newest N of each group (checkpoints whose
-    manifest has the ``group_annotation``, "namespace/name" for the agent's
-    pod checkpoints; others belong to no group and are not limited);
-    ``max_total_bytes`` then drops the oldest checkpoints until the blobs
-    still needed fit (this may drop every checkpoint). ``None`` disables a rule.
+    Age and order are the store's receipt time (``CheckpointRecord.received``),
+    never a checkpoint's own ``created``. Rules apply in this order, each to
+    what the previous ones kept: ``max_age_seconds`` drops checkpoints
+    received longer ago; ``max_per_group`` keeps the newest N of each group
+    (checkpoints whose manifest has the ``group_annotation``, "namespace/name"
+    for the agent's pod checkpoints; others belong to no group and are not
+    limited), counting the local ones (made here) and the others (pulled,
+    imported) apart, so N local and N others of a group stay;
+    ``max_total_bytes`` then drops checkpoints until the blobs still needed
+    fit: the others first, oldest received first, and local ones only once
+    no other is left (this may drop every checkpoint). ``None`` disables a rule.
     """
 
     max_per_group: int | None = None
@@ -86,8 +94,8 @@ class GcReport:
 
 
 def oldest_first(records: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:
-    """Records ordered oldest first (ties broken by id)."""
-    return sorted(records, key=lambda r: (created_epoch(r.created), r.id))
+    """Records ordered by receipt, oldest first (ties broken by id)."""
+    return sorted(records, key=lambda r: (r.received_epoch, r.id))
 
 
 def select_drops(
@@ -98,7 +106,7 @@ def select_drops(
     sizes: Mapping[str, int],
     base: set[str],
 ) -> list[str]:
-    """Ids of the checkpoints ``policy`` drops, oldest first.
+    """Ids of the checkpoints ``policy`` drops, oldest received first.
 
     ``refs`` maps each record id to the blobs it reaches, ``sizes`` gives
     blob sizes, and ``base`` names blobs kept regardless (leases, other
@@ -108,13 +116,14 @@ def select_drops(
     dropped: set[str] = set()
     if policy.max_age_seconds is not None:
         limit = now - policy.max_age_seconds
-        dropped.update(r.id for r in ordered if created_epoch(r.created) < limit)
+        dropped.update(r.id for r in ordered if r.received_epoch < limit)
     if policy.max_per_group is not None:
-        groups: dict[str, list[CheckpointRecord]] = {}
+        # The group is the maker's claim: what came from elsewhere is counted apart from the node's own.
+        groups: dict[tuple[str, bool], list[CheckpointRecord]] = {}
         for record in ordered:
             group = record.annotations.get(policy.group_annotation)
             if group is not None and record.id not in dropped:
-                groups.setdefault(group, []).append(record)
+                groups.setdefault((group, record.local), []).append(record)
         for members in groups.values():
             excess = len(members) - policy.max_per_group
             dropped.update(r.id for r in members[: max(0, excess)])
@@ -126,7 +135,7 @@ def select_drops(
                     counts[digest] = counts.get(digest, 0) + 1
         needed = base | set(counts)
         total = sum(sizes.get(d, 0) for d in needed)
-        for record in ordered:
+        for record in sorted(ordered, key=lambda r: r.local):  # stable: the others first, each oldest first
             if total <= policy.max_total_bytes:
                 break
             if record.id in dropped:
@@ -235,9 +244,12 @@ class Collector:
 
     def _policy_drops(self, entries: Sequence[Mapping[str, Any]], policy: RetentionPolicy, now: float) -> list[str]:
         records: list[CheckpointRecord] = []
-        for cid in checkpoint_ids(entries):
+        for entry in entries:
+            if not is_checkpoint_entry(entry):
+                continue
+            cid = entry["digest"]
             try:
-                records.append(self.index.load(cid))
+                records.append(self.index.load(cid, entry))
             except AgentError as exc:
                 log.warning("gc keeps unreadable checkpoint %s: %s", cid, exc, extra={"checkpoint": cid})
         ours = {r.id for r in records}
@@ -271,9 +283,7 @@ class Collector:
         ``entries`` is the index as it now stands. Returns the digests
         deleted (or that would be, with ``dry_run``) and the bytes freed.
         """
-        keep = self._pinned()
-        for entry in entries:
-            keep |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
+        keep = self._reachable(entries)
         sizes = self.blobs.sizes()
         orphans = sorted(d for d in sizes if d not in keep)
         if dry_run:
@@ -281,6 +291,36 @@ class Collector:
         self.remove_dead_ingest()
         self.origins.prune([e["digest"] for e in entries])
         return self.blobs.delete(orphans)
+
+    def _reachable(self, entries: Sequence[Mapping[str, Any]]) -> set[str]:
+        """Every digest kept: pinned, or reached from ``entries`` (exclusive lock held)."""
+        keep = self._pinned()
+        for entry in entries:
+            keep |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
+        return keep
+
+    def discard(self, digests: Collection[str], *, unpublished: str | None = None) -> list[str]:
+        """Delete those of ``digests`` that nothing reaches; the ones deleted.
+
+        For an import that stopped before publishing (``BlobImporter.discard``,
+        its lease already gone): the sweep's rule applied to the blobs it
+        brought in alone, so blobs stored before it stay whatever reaches
+        them. ``unpublished``: the checkpoint it staged, whose origin record
+        goes too unless it is published.
+        """
+        try:
+            with self.index.locked(exclusive=True):
+                entries = self.index.read()
+                if unpublished is not None and unpublished not in checkpoint_ids(entries):
+                    self.origins.forget(unpublished)
+                keep = self._reachable(entries)
+                removed, freed = self.blobs.delete(d for d in digests if d not in keep)
+        except OSError as exc:
+            raise os_error(exc, "deleting the blobs of an import that was not published") from exc
+        if removed:
+            log.info("%d blob(s) (%d bytes) of an import that was not published deleted", len(removed), freed,
+                     extra={"checkpoint": unpublished} if unpublished else None)
+        return removed
 
     def remove_dead_ingest(self) -> list[str]:
         """Remove the ingest directories whose lease is gone; their names (exclusive lock held)."""

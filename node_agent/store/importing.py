@@ -5,9 +5,15 @@ into the importer's ingest directory while hashing it, and links it into
 the blob directory only when its size and digest match (fsynced first, so
 a blob that survives a crash is whole); from then on the importer's lease
 keeps it until commit or abort, and a later import finds it present.
-``commit`` validates the manifest and config like any stored document,
-requires every blob they name to be present, stores the manifest blob and
-publishes it in ``index.json``.
+``stage`` validates the manifest and config like any stored document,
+requires every blob they name to be present and stores the manifest blob:
+the checkpoint is then whole and readable through its record, but
+unpublished, so nothing lists it, resolves it or applies retention to it,
+and the importer's lease keeps its blobs. ``commit`` publishes it in
+``index.json``; ``discard`` drops it and deletes the blobs this import
+brought in that nothing else reaches (the store's own sweep decides, under
+its lock, with every lease and published record counted), so a checkpoint
+refused before publishing leaves the store as it found it.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Iterable, Iterator
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
 
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument
 from node_agent.oci import digest_hex, sha256_digest
 from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, BlobStore, Ingest, os_error, write_all
+from node_agent.store.gc import Collector
 from node_agent.store.index import Index
 from node_agent.store import sealing
 from node_agent.store.manifest import (
@@ -33,9 +41,9 @@ from node_agent.store.manifest import (
     check_manifest_matches,
     decode_config,
     decode_manifest,
-    index_entry,
 )
 from node_agent.store.origins import Origins
+from node_agent.store.records import PULLED, check_provenance, refuse_store_annotations
 
 if TYPE_CHECKING:
     from node_agent.store.records import CheckpointRecord
@@ -59,22 +67,28 @@ def _pieces(stream: BinaryIO | Iterable[bytes]) -> Iterator[bytes]:
 
 
 class BlobImporter:
-    """Brings the blobs of one checkpoint in from elsewhere, then publishes its manifest.
+    """Brings the blobs of one checkpoint in from elsewhere, then stages and publishes its manifest.
 
     A context manager that aborts unless committed. ``add_blob`` may be
     called from several threads at once. It takes its lease in
     ``ingest_dir``, links blobs into ``blobs`` and publishes through
-    ``index``; ``origins`` must know where any deferred blob is.
+    ``index``; ``origins`` must know where any deferred blob is;
+    ``collector`` sweeps what ``discard`` leaves.
     """
 
-    def __init__(self, blobs: BlobStore, index: Index, origins: Origins, *, ingest_dir: str) -> None:
+    def __init__(self, blobs: BlobStore, index: Index, origins: Origins, collector: Collector, *,
+                 ingest_dir: str) -> None:
         self._blobs = blobs
         self._index = index
         self._origins = origins
+        self._collector = collector
         self._ingest = Ingest(ingest_dir, index.lock_path, blobs)
         self._state = "open"
         self._lock = threading.Lock()
         self._linked = False
+        self._brought: set[str] = set()  # blobs this import linked in (they were not stored before)
+        self._staged: tuple[str, bytes, CheckpointManifest, CheckpointConfig | None, dict[str, int]] | None = None
+        self._provenance = PULLED
         self.blobs_added = 0
         self.blobs_skipped = 0
         self.bytes_added = 0
@@ -122,6 +136,7 @@ class BlobImporter:
             raise
         with self._lock:
             self._linked = True
+            self._brought.add(digest)
             self.blobs_added += 1
             self.bytes_added += size
 
@@ -145,20 +160,29 @@ class BlobImporter:
         finally:
             os.close(fd)
 
-    def commit(self, manifest: bytes, *, deferred: Collection[str] = ()) -> CheckpointRecord:
-        """Validate ``manifest`` and its config, require every blob, publish; return the record.
+    def stage(self, manifest: bytes, *, deferred: Collection[str] = (), provenance: str = PULLED) -> CheckpointRecord:
+        """Validate ``manifest`` and its config, require every blob, store the manifest blob; the record.
 
-        Layers whose digests are in ``deferred`` may be missing: the caller
-        has recorded where they come from (`Origins.remember`), and readers
-        fetch them from there on demand. Committing a manifest that is already
-        published returns its record.
+        The checkpoint is whole but not published: nothing lists, resolves
+        or collects it, its record reads like any (``Store.open`` takes it),
+        and this importer's lease keeps its blobs until ``commit`` publishes
+        it, ``discard`` drops it or the importer ends. Layers whose digests
+        are in ``deferred`` may be missing: the caller has recorded where
+        they come from (`Origins.remember`), and readers fetch them from
+        there on demand. A manifest that carries the store's own
+        annotations (``records.STORE_ANNOTATIONS``) is InvalidArgument.
+        The record says ``provenance``, which ``commit`` records, and no
+        receipt time yet (or, for a checkpoint published already, what its
+        index record says).
         """
         self._check_open()
         try:
+            check_provenance(provenance)
             data = bytes(manifest)
             doc = decode_manifest(data, error=InvalidArgument, what="imported manifest")
             manifest_digest = sha256_digest(data)
             where = f"imported checkpoint {manifest_digest}"
+            refuse_store_annotations(doc.annotations, where)
             config_desc = doc.config
             if not self._ingest.reference(config_desc.digest, config_desc.size):
                 raise FailedPrecondition(f"{where}: config blob {config_desc.digest} is missing; add it first")
@@ -173,13 +197,45 @@ class BlobImporter:
                     raise FailedPrecondition(f"{where}: blob {layer.digest} is missing; add it first")
             if len(present) != len(doc.layers) and self._origins.get(manifest_digest) is None:
                 raise FailedPrecondition(f"{where}: blobs are deferred but no origin is recorded")
-            self._ingest.put(manifest_digest, data)
+            written = self._ingest.put(manifest_digest, data)
             required = {d.digest: d.size for d in (*present, config_desc)}
             required[manifest_digest] = len(data)
             self._ingest.commit_blobs(required)
+            if written:
+                self._brought.add(manifest_digest)
             if self._linked:
                 self._blobs.sync()
-            self._index.publish(index_entry(manifest_digest, len(data), doc.annotations), required)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError):
+                raise os_error(exc, "staging an imported checkpoint") from exc
+            raise
+        self._staged = (manifest_digest, data, doc, config, required)
+        self._provenance = provenance
+        self._state = "staged"
+        listed = self._index.entry(manifest_digest)
+        record = self._index.record(manifest_digest, doc, config, listed)
+        return record if listed is not None else replace(record, received="", provenance=provenance)
+
+    def commit(self, manifest: bytes, *, deferred: Collection[str] = (), provenance: str | None = None
+               ) -> CheckpointRecord:
+        """Publish ``manifest`` (staged first, see ``stage``, unless it is already); return the record.
+
+        The index record says the store received it now, with
+        ``provenance`` (the one it was staged with unless told: ``pulled``
+        by default). Committing a manifest that is already published returns
+        its record, as it was published.
+        """
+        if self._state == "open":
+            self.stage(manifest, deferred=deferred, provenance=provenance or PULLED)
+        if self._state != "staged" or self._staged is None:
+            raise FailedPrecondition(f"blob importer is already {self._state}")
+        manifest_digest, data, doc, config, required = self._staged
+        if sha256_digest(bytes(manifest)) != manifest_digest:
+            raise FailedPrecondition(f"blob importer staged {manifest_digest}, not the manifest given to commit")
+        try:
+            listed = self._index.publish(manifest_digest, len(data), doc.annotations, required,
+                                         provenance=provenance or self._provenance)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -187,7 +243,7 @@ class BlobImporter:
             raise
         self._ingest.release()
         self._state = "committed"
-        record = self._index.record(manifest_digest, doc, config)
+        record = self._index.record(manifest_digest, doc, config, listed)
         log.info(
             "imported checkpoint %s (%d blobs added, %d already present)",
             record.id,
@@ -217,6 +273,25 @@ class BlobImporter:
 
     def abort(self) -> None:
         """Stop; blobs already verified and linked stay until garbage collection. Idempotent."""
-        if self._state == "open":
+        if self._state in ("open", "staged"):
             self._state = "aborted"
         self._ingest.release()
+
+    def discard(self) -> list[str]:
+        """Stop, and delete every blob this import brought in that nothing else reaches; their digests.
+
+        The lease goes first, then the store's sweep runs on those blobs
+        alone, under the exclusive lock: a published checkpoint (this one,
+        published before by another pull), another import's, writer's or
+        hold's lease keeps what it names, and blobs that were stored before
+        this import began are never touched. The origin recorded for a
+        staged checkpoint goes too, unless it is published. After a crash
+        the same is left to ``recover``.
+        """
+        if self._state == "committed":
+            raise FailedPrecondition("blob importer is already committed")
+        staged = self._staged[0] if self._staged is not None else None
+        self.abort()
+        with self._lock:
+            brought = sorted(self._brought)
+        return self._collector.discard(brought, unpublished=staged)

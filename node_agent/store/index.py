@@ -4,9 +4,11 @@ Rule: a checkpoint is listed only once its manifest is published in
 ``index.json``, and it is published only after every blob it names is
 durable and verified (``publish`` checks them under the lock). The index
 changes only under the exclusive store lock, by an atomic, fsynced rewrite.
-Every id that comes in is validated before it is looked up, and every
-manifest and config blob is read bounded, hashed and decoded as hostile data
-each time a checkpoint is loaded. What fails to load is moved aside into
+A checkpoint's record there also says when this store published it and
+how it came (made here, pulled, imported: ``records.receipt``), which its
+manifest, chosen by its maker, cannot. Every id that comes in is validated
+before it is looked up, and every manifest and config blob is read bounded,
+hashed and decoded as hostile data each time a checkpoint is loaded. What fails to load is moved aside into
 ``quarantine/``, never deleted.
 """
 
@@ -44,7 +46,14 @@ from node_agent.store.manifest import (
     is_checkpoint_entry,
     oci_layout,
 )
-from node_agent.store.records import CheckpointRecord, created_epoch
+from node_agent.store.records import (
+    CheckpointRecord,
+    created_epoch,
+    now_rfc3339,
+    receipt,
+    receipt_annotations,
+    without_store_annotations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +74,15 @@ class Index:
     ``scratch_dir`` (the store's ``ingest/``) takes the temporary files of
     atomic rewrites; ``lock_path`` is the store-wide lock; unloadable
     records and an unreadable index go to ``quarantine_dir``.
+    ``lazily_pulled(id)`` says whether a checkpoint has a recorded origin
+    (``Origins``): how a record from before the store kept provenance is
+    known to be pulled.
     """
 
-    def __init__(self, root: str, blobs: BlobStore, *, scratch_dir: str, lock_path: str, quarantine_dir: str) -> None:
+    def __init__(self, root: str, blobs: BlobStore, *, scratch_dir: str, lock_path: str, quarantine_dir: str,
+                 lazily_pulled: Callable[[str], bool] | None = None) -> None:
         self.root = root
+        self.lazily_pulled = lazily_pulled
         self.blobs = blobs
         self.scratch_dir = scratch_dir
         self.lock_path = lock_path
@@ -114,24 +128,38 @@ class Index:
         """The ids of every published checkpoint, in index order."""
         return checkpoint_ids(self.read())
 
-    def publish(self, entry: Mapping[str, Any], required: Mapping[str, int]) -> None:
+    def publish(self, manifest_digest: str, manifest_size: int, annotations: Mapping[str, str],
+                required: Mapping[str, int], *, provenance: str) -> dict[str, Any]:
         """Add a manifest's record once every blob in ``required`` (digest: size) is present: the commit point.
 
-        Publishing a manifest that is listed already changes nothing.
+        The record repeats the manifest's ``annotations`` and adds the
+        store's own: received now, with ``provenance``. Publishing a manifest
+        that is listed already changes nothing. Returns the record listed.
         """
+        notes = {**without_store_annotations(annotations), **receipt_annotations(now_rfc3339(), provenance)}
+        entry = index_entry(manifest_digest, manifest_size, notes)
         with self.locked(exclusive=True):
             for digest, size in required.items():
                 found = self.blobs.size_of(digest)
                 if found != size:
                     raise DataLoss(
-                        f"checkpoint {entry['digest']}: blob {digest} "
+                        f"checkpoint {manifest_digest}: blob {digest} "
                         f"{'vanished' if found is None else 'changed size'} before publish"
                     )
             entries = self.read()
-            if any(e["digest"] == entry["digest"] for e in entries):
-                return
-            entries.append(dict(entry))
+            for listed in entries:
+                if listed["digest"] == manifest_digest:
+                    return listed
+            entries.append(entry)
             self.write(entries)
+        return entry
+
+    def entry(self, cid: str, entries: Sequence[Mapping[str, Any]] | None = None) -> Mapping[str, Any] | None:
+        """The index record of the checkpoint ``cid`` (in ``entries``, else in index.json), or None."""
+        for found in self.read() if entries is None else entries:
+            if found["digest"] == cid and is_checkpoint_entry(found):
+                return found
+        return None
 
     def resolve(self, checkpoint_id: str, within: Callable[[CheckpointRecord], bool] | None = None) -> str:
         """Full id for ``sha256:<hex>`` or a unique hex prefix of at least 6 characters.
@@ -148,9 +176,10 @@ class Index:
             raise InvalidArgument(
                 f"malformed checkpoint id {checkpoint_id!r}: want sha256:<hex> or at least {MIN_PREFIX_LEN} hex characters"
             )
-        matches = sorted({d for d in self.ids() if d[len("sha256:") :].startswith(text)})
+        entries = self.read()
+        matches = sorted({d for d in checkpoint_ids(entries) if d[len("sha256:") :].startswith(text)})
         if within is not None:
-            matches = [d for d in matches if self._accepts(d, within)]
+            matches = [d for d in matches if self._accepts(d, within, entries)]
         if not matches:
             if len(text) == 64:
                 raise NotFound(f"checkpoint sha256:{text} not found")
@@ -160,9 +189,10 @@ class Index:
             raise InvalidArgument(f"checkpoint id {checkpoint_id!r} is ambiguous ({len(matches)} matches: {shown})")
         return matches[0]
 
-    def _accepts(self, cid: str, within: Callable[[CheckpointRecord], bool]) -> bool:
+    def _accepts(self, cid: str, within: Callable[[CheckpointRecord], bool],
+                 entries: Sequence[Mapping[str, Any]]) -> bool:
         try:
-            return within(self.load(cid))
+            return within(self.load(cid, self.entry(cid, entries)))
         except AgentError:
             return False
 
@@ -207,23 +237,34 @@ class Index:
         check_manifest_matches(manifest, config, error=DataLoss, what=f"checkpoint {cid}: manifest {path}")
         return data, manifest, config
 
-    def load(self, cid: str) -> CheckpointRecord:
-        """The record of the checkpoint whose full id is ``cid``, loaded and validated."""
+    def load(self, cid: str, entry: Mapping[str, Any] | None = None) -> CheckpointRecord:
+        """The record of the checkpoint whose full id is ``cid``, loaded and validated.
+
+        ``entry`` is its index record when the caller has read it already
+        (else it is looked up; an unpublished checkpoint has none).
+        """
         _, manifest, config = self.documents(cid)
-        return self.record(cid, manifest, config)
+        return self.record(cid, manifest, config, entry if entry is not None else self.entry(cid))
 
     def record(
-        self, manifest_digest: str, manifest: CheckpointManifest, config: CheckpointConfig | None
+        self, manifest_digest: str, manifest: CheckpointManifest, config: CheckpointConfig | None,
+        entry: Mapping[str, Any] | None = None,
     ) -> CheckpointRecord:
         """The record of validated documents (a writer's or an importer's, or ones just loaded).
 
         Without a config (a sealed checkpoint whose key is not configured) the
         record is ``locked``: only the manifest's clear annotations and sizes.
+        ``entry`` (its index record, if published) says when and how the
+        store got it (``records.receipt``).
         """
+        metadata = dict(config.metadata) if config is not None else {}
+        hook = self.lazily_pulled
+        received, provenance = receipt(entry, manifest.annotations, manifest.created, metadata,
+                                       lazily_pulled=lambda: hook is not None and hook(manifest_digest))
         return CheckpointRecord(
             id=manifest_digest,
             created=manifest.created,
-            metadata=MappingProxyType(dict(config.metadata) if config is not None else {}),
+            metadata=MappingProxyType(metadata),
             files=config.files if config is not None else (),
             size=sum(e.size for e in config.files) if config is not None else -1,
             stored_size=sum(layer.size for layer in manifest.layers if layer != EMPTY_DESCRIPTOR),
@@ -231,6 +272,8 @@ class Index:
             annotations=manifest.annotations,
             key_id=manifest.key_id,
             locked=config is None,
+            received=received,
+            provenance=provenance,
         )
 
     # -- quarantine and rebuilding (exclusive lock held) -------------------------------------
@@ -260,7 +303,12 @@ class Index:
         log.error("quarantined %s as %s: %s", name, target, reason)
 
     def rebuild(self) -> list[dict[str, Any]]:
-        """Index records for every loadable checkpoint manifest among the blobs, oldest first."""
+        """Index records for every loadable checkpoint manifest among the blobs, oldest first.
+
+        When and how each came is lost with the index: the records have no
+        store annotations, so ``records.receipt``'s rule for old records
+        applies to them.
+        """
         found: list[tuple[float, str, dict[str, Any]]] = []
         for digest, entry in self.blobs.digests():
             try:
@@ -273,8 +321,7 @@ class Index:
                 data, manifest, _ = self.documents(digest)
             except (OSError, AgentError):
                 continue
-            found.append(
-                (created_epoch(manifest.created), digest, index_entry(digest, len(data), manifest.annotations))
-            )
+            notes = without_store_annotations(manifest.annotations)
+            found.append((created_epoch(manifest.created), digest, index_entry(digest, len(data), notes)))
         found.sort(key=lambda item: (item[0], item[1]))
         return [item[2] for item in found]

@@ -50,7 +50,7 @@ def recover(index: Index, blobs: BlobStore, collector: Collector, *, ingest_dir:
             for entry in entries:
                 if is_checkpoint_entry(entry):
                     try:
-                        index.load(entry["digest"])
+                        index.load(entry["digest"], entry)
                     except AgentError as exc:
                         index.quarantine_entry(entry, str(exc))
                         quarantined.append(entry["digest"])

@@ -20,7 +20,6 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -45,13 +44,13 @@ from node_agent.store.manifest import (
     decode_manifest,
     encode_config,
     encode_manifest,
-    index_entry,
     is_created,
     join_path,
     layers_for,
     normalize_path,
 )
 from node_agent.store.pipeline import ChunkPipeline, PendingChunk, Readable
+from node_agent.store.records import LOCAL, check_provenance, now_rfc3339, refuse_store_annotations
 from node_agent.store.sealing import SealKey
 
 if TYPE_CHECKING:
@@ -81,11 +80,6 @@ class WriterHooks(Protocol):
     def progress(self, done: int, total: int) -> None: ...
 
     def closed(self) -> None: ...
-
-
-def now_rfc3339() -> str:
-    """The current time as the store writes it (RFC 3339, UTC, microseconds)."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -415,19 +409,24 @@ class CheckpointWriter:
         out.sort(key=lambda e: e.path)
         return out
 
-    def commit(self, metadata: Mapping[str, Any], annotations: Mapping[str, str] | None = None) -> CheckpointRecord:
+    def commit(self, metadata: Mapping[str, Any], annotations: Mapping[str, str] | None = None, *,
+               provenance: str = LOCAL) -> CheckpointRecord:
         """Make every blob durable, then publish the manifest; return the record.
 
         ``metadata`` (a JSON object) goes into the config blob;
         ``annotations`` (strings) into the manifest and its index.json
         entry. ``org.opencontainers.image.created`` is set to now unless
-        given.
+        given. ``provenance`` (``local``, or ``imported`` for an archive's
+        content, or that of the checkpoint a copy is of) goes into the index
+        record with the time of publishing (``records.receipt``).
         """
         self._check_open()
         try:
             if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
                 raise InvalidArgument("metadata must be a JSON object (a mapping with string keys)")
+            check_provenance(provenance)
             notes = check_annotations(annotations if annotations is not None else {})
+            refuse_store_annotations(notes, "new checkpoint")
             notes.setdefault(CREATED_ANNOTATION, now_rfc3339())
             if not is_created(notes[CREATED_ANNOTATION]):
                 raise InvalidArgument(
@@ -441,7 +440,7 @@ class CheckpointWriter:
             config = decode_config(config_bytes, error=InvalidArgument, what="new config")
             if self._seal is not None:
                 # The config names every chunk's plaintext digest: it is sealed too.
-                config_bytes = bytes(self._seal.seal(sealing.CONFIG, config_bytes, sealing.plain_digest(config_bytes)))
+                config_bytes = self._seal.seal(sealing.CONFIG, config_bytes)
                 config_desc = Descriptor(CONFIG_SEALED_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
                 notes[KEY_ID_ANNOTATION] = self._seal.key_id
             else:
@@ -462,7 +461,7 @@ class CheckpointWriter:
                 required[manifest_digest] = len(data)
                 self._pipeline.wait_flushed()
                 self._ingest.commit_blobs(required, self._pipeline.executor)
-                self._index.publish(index_entry(manifest_digest, len(data), notes), required)
+                listed = self._index.publish(manifest_digest, len(data), notes, required, provenance=provenance)
             except OSError as exc:
                 raise os_error(exc, f"committing checkpoint {manifest_digest}") from exc
         except BaseException:
@@ -475,7 +474,7 @@ class CheckpointWriter:
             self._tell(self._total, self._total)
         finally:
             self._let_go()
-        record = self._index.record(manifest_digest, manifest, config)
+        record = self._index.record(manifest_digest, manifest, config, listed)
         log.info(
             "published checkpoint %s (%d files, %d bytes, %d new stored bytes)",
             record.id,

@@ -199,8 +199,12 @@ def test_layout_is_an_oci_image_layout(store: Store) -> None:
     manifest = Path(rec.manifest_path).read_bytes()
     assert entry == {
         "mediaType": OCI_MANIFEST_MEDIA_TYPE, "digest": rec.id, "size": len(manifest),
-        "artifactType": ARTIFACT_TYPE, "annotations": dict(rec.annotations),
+        "artifactType": ARTIFACT_TYPE,
+        # The manifest's annotations, and the store's own record of when and how it got the checkpoint.
+        "annotations": {**rec.annotations, "io.node-agent.store.received": rec.received,
+                        "io.node-agent.store.provenance": "local"},
     }
+    assert rec.provenance == "local" and rec.received >= rec.created
     assert rec.manifest_path == store.blob_path(rec.id)
     doc = json.loads(manifest)
     assert manifest == canonical_json(doc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -15,6 +17,8 @@ import pytest
 from node_agent.errors import InvalidArgument, NotFound
 from node_agent.store import CheckpointRecord, RetentionPolicy, Store
 from node_agent.store.manifest import CREATED_ANNOTATION
+from node_agent.store.records import PROVENANCE_ANNOTATION, RECEIVED_ANNOTATION
+from node_agent.store.sealing import SealKey
 
 SPAWN = multiprocessing.get_context("spawn")
 POD = "io.node-agent.pod"
@@ -30,14 +34,35 @@ def store(tmp_path: Path) -> Store:
     return Store(tmp_path / "store", chunk_size=256)
 
 
-def _commit(store: Store, files: dict[str, bytes], *, at: float, pod: str | None = None) -> CheckpointRecord:
+def _stamp(store: Store, cid: str, *, received: float | None = None, provenance: str | None = None,
+           drop: bool = False) -> CheckpointRecord:
+    """Set what the store recorded about a checkpoint in its index record (or, with ``drop``, remove it)."""
+    with store.index.locked(exclusive=True):
+        entries = store.index.read()
+        (entry,) = [e for e in entries if e["digest"] == cid]
+        notes = entry["annotations"]
+        if received is not None:
+            notes[RECEIVED_ANNOTATION] = _at(received)
+        if provenance is not None:
+            notes[PROVENANCE_ANNOTATION] = provenance
+        if drop:
+            notes.pop(RECEIVED_ANNOTATION)
+            notes.pop(PROVENANCE_ANNOTATION)
+        store.index.write(entries)
+    return store.get(cid)
+
+
+def _commit(store: Store, files: dict[str, bytes], *, at: float, pod: str | None = None,
+            received: float | None = None) -> CheckpointRecord:
+    """A local checkpoint created at ``at`` and received then too (or at ``received``)."""
     notes = {CREATED_ANNOTATION: _at(at)}
     if pod is not None:
         notes[POD] = pod
     with store.writer() as w:
         for path, data in files.items():
             w.add_bytes(path, data)
-        return w.commit({}, notes)
+        record = w.commit({}, notes)
+    return _stamp(store, record.id, received=at if received is None else received)
 
 
 def _ids(store: Store) -> set[str]:
@@ -121,6 +146,148 @@ def test_max_age(store: Store) -> None:
     combined = RetentionPolicy(max_age_seconds=10_000, max_per_group=0)
     assert store.gc(combined, now=T0 + 7300).removed_checkpoints == (mid.id,)
     assert _ids(store) == {new.id}
+
+
+# -- retention by what the store recorded: receipt time, and the node's own first ---------------
+
+
+def _pulled(store: Store, tmp: Path, files: dict[str, bytes], *, created: str, pod: str,
+            received: float) -> CheckpointRecord:
+    """A checkpoint made elsewhere (its maker chose ``created`` and ``pod``), imported as a pull does."""
+    maker = Store(tmp / f"maker-{len(os.listdir(tmp))}", chunk_size=256)
+    with maker.writer() as w:
+        for path, data in files.items():
+            w.add_bytes(path, data)
+        made = w.commit({}, {CREATED_ANNOTATION: created, POD: pod})
+    with store.importer() as importer:
+        for d in maker.descriptors(made.id):
+            with maker.open_blob(d.digest) as fh:
+                importer.add_blob(d.digest, d.size, fh)
+        record = importer.commit(maker.manifest_bytes(made.id))
+    assert record.provenance == "pulled" and not record.local
+    return _stamp(store, record.id, received=received)
+
+
+FAR_FUTURE = "2999-01-01T00:00:00Z"
+FAR_PAST = "1970-01-01T00:00:01Z"
+
+
+def test_max_age_counts_from_receipt_not_from_created(store: Store, tmp_path: Path) -> None:
+    # Created long ago, received lately: young. Created in the far future, received long ago: old.
+    young = _commit(store, {"f": os.urandom(2000)}, at=0, received=8000, pod="ns/a")
+    old = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=FAR_FUTURE, pod="ns/a", received=1000)
+    past = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=FAR_PAST, pod="ns/a", received=7000)
+    policy = RetentionPolicy(max_age_seconds=5000)
+    assert store.gc(policy, now=T0 + 9000).removed_checkpoints == (old.id,)
+    assert _ids(store) == {young.id, past.id}
+
+
+def test_max_per_group_counts_pulled_checkpoints_apart(store: Store, tmp_path: Path) -> None:
+    l1 = _commit(store, {"f": os.urandom(2000)}, at=10, pod="ns/a")
+    l2 = _commit(store, {"f": os.urandom(2000)}, at=20, pod="ns/a")
+    p1 = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=_at(90), pod="ns/a", received=30)
+    p2 = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=_at(5), pod="ns/a", received=40)
+    p3 = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=_at(1), pod="ns/a", received=50)
+    report = store.gc(RetentionPolicy(max_per_group=1))
+    # The newest received of the node's own, and of the pulled ones; `created` plays no part.
+    assert report.removed_checkpoints == (l1.id, p1.id, p2.id)
+    assert _ids(store) == {l2.id, p3.id}
+
+
+def test_max_total_bytes_drops_pulled_checkpoints_first(store: Store, tmp_path: Path) -> None:
+    l1 = _commit(store, {"f": os.urandom(10_000)}, at=0, pod="ns/l1")
+    l2 = _commit(store, {"f": os.urandom(10_000)}, at=10, pod="ns/l2")
+    p1 = _pulled(store, tmp_path, {"f": os.urandom(10_000)}, created=FAR_PAST, pod="ns/p1", received=20)
+    p2 = _pulled(store, tmp_path, {"f": os.urandom(10_000)}, created=FAR_FUTURE, pod="ns/p2", received=30)
+    each = store.usage() // 4
+    # Room for three: the oldest pulled one goes, though every local one is older.
+    assert store.gc(RetentionPolicy(max_total_bytes=3 * each + each // 2), dry_run=True).removed_checkpoints == (p1.id,)
+    # Room for two: both pulled ones go, the node's own stay.
+    report = store.gc(RetentionPolicy(max_total_bytes=2 * each + each // 2))
+    assert set(report.removed_checkpoints) == {p1.id, p2.id} and _ids(store) == {l1.id, l2.id}
+    # Only then the node's own, oldest received first.
+    assert store.gc(RetentionPolicy(max_total_bytes=each + each // 2)).removed_checkpoints == (l1.id,)
+
+
+@pytest.mark.parametrize("created", [FAR_FUTURE, FAR_PAST])
+def test_forged_pulled_checkpoints_cannot_evict_a_local_one(store: Store, tmp_path: Path, created: str) -> None:
+    """Pulls claiming the local pod's group, with a far-future or far-past `created`, received after it."""
+    local = _commit(store, {"f": os.urandom(10_000)}, at=0, pod="ns/web")
+    own = store.usage()  # room for the local one alone
+    forged = [_pulled(store, tmp_path, {"f": os.urandom(10_000)}, created=created, pod="ns/web", received=100 + i)
+              for i in range(3)]
+    for policy in (RetentionPolicy(max_per_group=1), RetentionPolicy(max_per_group=0, group_annotation="nothing"),
+                   RetentionPolicy(max_total_bytes=own), RetentionPolicy(max_age_seconds=3600)):
+        store.gc(policy, now=T0 + 1000)
+        assert local.id in _ids(store), policy
+    assert _ids(store) == {local.id}
+    assert store.verify(local.id) == []
+    # Pulled ones that come later are judged among themselves again; the local one still stays.
+    late = _pulled(store, tmp_path, {"f": os.urandom(10_000)}, created=created, pod="ns/web", received=2000)
+    assert store.gc(RetentionPolicy(max_per_group=1), now=T0 + 2001).removed_checkpoints == ()
+    assert _ids(store) == {local.id, late.id} and forged
+
+
+def test_what_the_store_records_and_how_old_records_read(store: Store, tmp_path: Path) -> None:
+    made = _commit(store, {"f": os.urandom(2000)}, at=0, pod="ns/a")
+    assert made.provenance == "local" and made.local
+    pulled = _pulled(store, tmp_path, {"f": os.urandom(2000)}, created=FAR_FUTURE, pod="ns/a", received=5)
+    with store.writer() as w:
+        w.add_bytes("f", os.urandom(2000))
+        imported = w.commit({"imported": {"format": "podman"}}, {CREATED_ANNOTATION: _at(7)}, provenance="imported")
+    assert imported.provenance == "imported" and not imported.local
+    # A copy (a rekey) keeps where its source came from, and is received now.
+    copy = store.copy(pulled, seal=SealKey("ns-1", bytes(32), "ns"))
+    assert copy.id != pulled.id and copy.provenance == "pulled" and copy.received != _at(5)
+    assert copy.created == FAR_FUTURE
+    store.remove(copy.id)
+    # Records written before the store kept these (no annotations): received at `created`, and local unless
+    # an origin is recorded (a lazy pull) or the metadata says `imported`.
+    for cid in (made.id, pulled.id, imported.id):
+        _stamp(store, cid, drop=True)
+    assert (store.get(made.id).received, store.get(made.id).provenance) == (_at(0), "local")
+    assert store.get(pulled.id).provenance == "local"
+    assert store.get(imported.id).provenance == "imported"
+    store.origins.remember(pulled.id, {"reference": "reg.example/ckpt@" + pulled.id})
+    assert (store.get(pulled.id).received, store.get(pulled.id).provenance) == (FAR_FUTURE, "pulled")
+    assert {r.id: r.provenance for r in store.list()} == {made.id: "local", pulled.id: "pulled", imported.id: "imported"}
+
+
+def test_no_manifest_may_carry_what_the_store_records(store: Store, tmp_path: Path) -> None:
+    for notes in ({PROVENANCE_ANNOTATION: "local"}, {RECEIVED_ANNOTATION: _at(0)}):
+        with pytest.raises(InvalidArgument, match="the store's own record"):
+            with store.writer() as w:
+                w.add_bytes("f", b"x")
+                w.commit({}, notes)
+    # One made by a store that did not refuse them yet: refused on import, and its record's say ignored.
+    maker = Store(tmp_path / "maker", chunk_size=256)
+    with maker.writer() as w:
+        w.add_bytes("f", b"forged")
+        made = w.commit({}, {POD: "ns/a"})
+    doc = json.loads(maker.manifest_bytes(made.id))
+    doc["annotations"][PROVENANCE_ANNOTATION] = "local"
+    forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    with store.importer() as importer:
+        for d in maker.descriptors(made.id):
+            with maker.open_blob(d.digest) as fh:
+                importer.add_blob(d.digest, d.size, fh)
+        with pytest.raises(InvalidArgument, match=f"annotation {PROVENANCE_ANNOTATION} is the store's own"):
+            importer.commit(forged)
+    assert store.list() == []
+    # Such a manifest published by an older store, whose record copied the manifest's annotations: what
+    # the record says is the maker's word, so it counts as a record from before (received at `created`).
+    doc["annotations"].update({RECEIVED_ANNOTATION: FAR_FUTURE, CREATED_ANNOTATION: _at(3)})
+    old = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    cid = "sha256:" + hashlib.sha256(old).hexdigest()
+    for d in maker.descriptors(made.id):
+        shutil.copyfile(maker.blob_path(d.digest), store.blob_path(d.digest))
+    Path(store.blob_path(cid)).write_bytes(old)
+    with store.index.locked(exclusive=True):
+        store.index.write([{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": cid,
+                            "size": len(old), "artifactType": "application/vnd.node-agent.checkpoint.v1",
+                            "annotations": doc["annotations"]}])
+    record = store.get(cid)
+    assert (record.received, record.provenance) == (_at(3), "local")
 
 
 def test_policy_validation() -> None:

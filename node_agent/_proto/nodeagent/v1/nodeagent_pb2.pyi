@@ -246,18 +246,22 @@ class RekeyCheckpointRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class RekeyCheckpointResponse(_message.Message):
-    __slots__ = ("checkpoint_id", "key_id", "previous_id", "previous_key_id", "replaced")
+    __slots__ = ("checkpoint_id", "key_id", "previous_id", "previous_key_id", "replaced", "signed_by", "unsigned_reason")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_BY_FIELD_NUMBER: _ClassVar[int]
+    UNSIGNED_REASON_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     key_id: str
     previous_id: str
     previous_key_id: str
     replaced: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., key_id: _Optional[str] = ..., previous_id: _Optional[str] = ..., previous_key_id: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
+    signed_by: str
+    unsigned_reason: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., key_id: _Optional[str] = ..., previous_id: _Optional[str] = ..., previous_key_id: _Optional[str] = ..., replaced: _Optional[bool] = ..., signed_by: _Optional[str] = ..., unsigned_reason: _Optional[str] = ...) -> None: ...
 
 class GarbageCollectRequest(_message.Message):
     __slots__ = ("dry_run",)
