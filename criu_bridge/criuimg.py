@@ -121,6 +121,166 @@ def entries(
         pos = end
 
 
+MAX_IMAGE = 64 << 20
+
+
+def read_image(directory: str, name: str, limit: int = MAX_IMAGE) -> bytes | None:
+    """The bytes of image `name` in `directory`, at most `limit` of them; None when it is not there.
+
+    Never follows a symbolic link; LimitExceeded past `limit` (counted as it
+    is read, not trusted from the file's size), InvalidInput when it cannot
+    be read.
+    """
+    import os
+
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {name}: {exc.strerror}") from exc
+    try:
+        chunks = []
+        total = 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            total += len(b)
+            if total > limit:
+                raise LimitExceeded(f"{name} is larger than {limit} bytes")
+            chunks.append(b)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {name}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
 def entry_bytes(payload: bytes) -> bytes:
     """One entry: the length prefix and the message."""
     return _U32.pack(len(payload)) + payload
+
+
+_U32_MASK = (1 << 32) - 1
+_U64_MASK = (1 << 64) - 1
+
+
+class Message:
+    """One protobuf message of an image, its fields by number, read as CRIU's protobuf-c reads them.
+
+    A scalar's last occurrence wins, and an integer keeps only the bits of
+    its declared width (protobuf-c reads the varint 2**32 as the uint32 0); a
+    repeated scalar may come packed or one value at a time. A singular
+    message field that occurs twice is refused: protobuf-c merges such
+    occurrences, and a reader of hostile images must not guess how. A field
+    of the wrong wire type is refused too, as protobuf-c refuses it.
+    """
+
+    def __init__(self, buf: bytes, start: int, end: int, what: str) -> None:
+        self.buf = buf
+        self.what = what
+        self._fields: dict[int, list[tuple[int, int, int]]] = {}
+        for number, wire, a, b, _raw in fields(buf, start, end, what):
+            self._fields.setdefault(number, []).append((wire, a, b))
+
+    def has(self, number: int) -> bool:
+        return number in self._fields
+
+    def _last(self, number: int, wire: int) -> tuple[int, int] | None:
+        found = self._fields.get(number)
+        if not found:
+            return None
+        for w, _a, _b in found:
+            if w != wire:
+                raise InvalidInput(f"{self.what}: field {number} has wire type {w}, not {wire}")
+        return found[-1][1], found[-1][2]
+
+    def uint32(self, number: int) -> int | None:
+        got = self._last(number, VARINT)
+        return None if got is None else got[0] & _U32_MASK
+
+    def uint64(self, number: int) -> int | None:
+        got = self._last(number, VARINT)
+        return None if got is None else got[0] & _U64_MASK
+
+    def int32(self, number: int) -> int | None:
+        value = self.uint32(number)
+        return None if value is None else value - (1 << 32) if value >> 31 else value
+
+    def sint32(self, number: int) -> int | None:
+        value = self.uint32(number)
+        return None if value is None else (value >> 1) ^ -(value & 1)
+
+    def boolean(self, number: int) -> bool | None:
+        got = self._last(number, VARINT)
+        return None if got is None else got[0] != 0
+
+    def uint32s(self, number: int) -> list[int]:
+        """Every value of a repeated uint32, packed or not."""
+        out: list[int] = []
+        for wire, a, b in self._fields.get(number, ()):
+            if wire == VARINT:
+                out.append(a & _U32_MASK)
+            elif wire == LENGTH:
+                pos = a
+                while pos < b:
+                    value, pos = read_varint(self.buf, pos, b, self.what)
+                    out.append(value & _U32_MASK)
+            else:
+                raise InvalidInput(f"{self.what}: field {number} has wire type {wire}")
+        return out
+
+    def data(self, number: int) -> bytes | None:
+        got = self._last(number, LENGTH)
+        return None if got is None else bytes(self.buf[got[0] : got[1]])
+
+    def text(self, number: int) -> str | None:
+        raw = self.data(number)
+        if raw is None:
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{self.what}: field {number} is not UTF-8") from None
+
+    def message(self, number: int, what: str = "") -> Message | None:
+        """The singular message field `number` (None when absent)."""
+        found = self._fields.get(number)
+        if not found:
+            return None
+        if len(found) > 1:
+            raise InvalidInput(f"{self.what}: message field {number} occurs {len(found)} times")
+        return self.messages(number, what)[0]
+
+    def messages(self, number: int, what: str = "") -> list[Message]:
+        out = []
+        for wire, a, b in self._fields.get(number, ()):
+            if wire != LENGTH:
+                raise InvalidInput(f"{self.what}: field {number} has wire type {wire}, not {LENGTH}")
+            out.append(Message(self.buf, a, b, what or f"{self.what} field {number}"))
+        return out
+
+
+def read_messages(
+    data: bytes, what: str, magic: int, *, first_only: bool = False, service: bool = False, max_entry: int | None = None
+) -> list[Message]:
+    """The entries of an image as messages, after checking its magics as CRIU does.
+
+    `service`: an image with only its own magic (inventory.img). `first_only`:
+    an image CRIU reads one entry of (a core, ids, creds or inventory image);
+    anything after that entry is never read by CRIU, and not here either.
+    """
+    if service:
+        if len(data) < 4 or _U32.unpack_from(data, 0)[0] != magic:
+            raise InvalidInput(f"{what} does not start with CRIU's magic for it")
+        data = b"\0" * 4 + data  # one magic less: align with the two-magic framing below
+        pairs = entries(data, what, max_entry=max_entry)
+    else:
+        pairs = entries(data, what, magic=magic, max_entry=max_entry)
+    out = []
+    for start, end in pairs:
+        out.append(Message(data, start, end, what))
+        if first_only:
+            break
+    return out

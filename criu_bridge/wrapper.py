@@ -6,7 +6,10 @@ containers of the restore handler. For a container that has a restore plan
 
 * ``create`` checks that no live process on this host holds a file lock
   the restored processes held too (CRIU would wait for it forever), applies
-  the checkpoint's writable-layer diff to the new rootfs, then runs
+  the checkpoint's writable-layer diff to the new rootfs, holds what the
+  CRIU images would grant the processes (credentials, capabilities,
+  seccomp, namespaces, mounts) to the container's own config.json
+  (`criu_bridge.privileges`: a checkpoint grants nothing), then runs
   ``runc restore --detach`` with the same global flags, bundle, pid file and
   stdio, so the restored process keeps writing into the new CRI log pipes;
   it then records what it did (`RESTORED`: the container, the checkpoint,
@@ -41,6 +44,9 @@ PLAN_FILE = "plan.json"
 RESTORED = "restored"
 FAILED = "failed"
 LOCKS_FILE = "locks.json"
+# What of a plan is checkpoint data (plaintext): CRIU's images, pre-dumped
+# memory, the writable layer's diff and its lists.
+PLAN_DATA = ("images", "predump", "rootfs-diff.tar", "deleted.files", "opaque.dirs")
 # The OCI annotation a restored container carries: its plan's nonce.
 PLAN_ANNOTATION = "node-agent.io/restore-plan"
 _MAX_SPEC = 64 << 20
@@ -192,7 +198,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     import json
     import subprocess
 
-    from criu_bridge import locks, logs
+    from criu_bridge import locks, logs, privileges, taskimages
     from criu_bridge.errors import BridgeError
     from criu_bridge.rootfs.apply import apply_diff
 
@@ -205,8 +211,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     if mark is not None and nonce and mark != nonce:
         msg = (f"restore of {where}, phase plan: the container's annotation {PLAN_ANNOTATION} names another "
                f"restore plan than {os.path.join(plan_dir, PLAN_FILE)}; refusing to restore it")
-        log_error(call, msg)
-        _mark(plan_dir, FAILED, msg)
+        _fail(call, plan_dir, msg)
         return 1
     try:
         held = []
@@ -217,8 +222,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         held = [f"unreadable {LOCKS_FILE}: {exc}"]
     if held:
         msg = f"restore of {where}, phase file-locks: " + "; ".join(held)
-        log_error(call, msg)
-        _mark(plan_dir, FAILED, msg)
+        _fail(call, plan_dir, msg)
         return 1
     try:
         spec = _spec(bundle)
@@ -233,8 +237,19 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         )
     except (OSError, ValueError, BridgeError) as exc:
         msg = f"restore of {where}, phase rootfs: {exc}"
-        log_error(call, msg)
-        _mark(plan_dir, FAILED, msg)
+        _fail(call, plan_dir, msg)
+        return 1
+    # What CRIU would give the processes (credentials, seccomp, namespaces,
+    # mounts) comes from the images: held to this container's config first.
+    try:
+        granted = privileges.findings(taskimages.read(os.path.join(plan_dir, "images")), spec,
+                                      exists=privileges.path_exists(root))
+    except (OSError, BridgeError) as exc:
+        granted = [f"the images cannot be read: {exc}"]
+    if granted:
+        msg = (f"restore of {where}, phase privileges: the checkpoint's images grant what this container's "
+               f"config does not: {'; '.join(granted)}; refusing to restore it")
+        _fail(call, plan_dir, msg)
         return 1
 
     work = os.path.join(plan_dir, "work")
@@ -244,8 +259,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         problem = _lazy_problem(plan_dir, work)
         if problem:
             msg = f"restore of {where}, phase lazy-pages: {problem}"
-            log_error(call, msg)
-            _mark(plan_dir, FAILED, msg)
+            _fail(call, plan_dir, msg)
             return 1
     # Lazily, the memory comes from the agent's page source, which waits
     # on work/lazy-pages.socket for CRIU to hand it the userfaultfds. Otherwise --auto-dedup: CRIU punches
@@ -289,8 +303,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         decisive = logs.read_decisive(os.path.join(work, "restore.log"))
         msg = f"restore of {where}, phase restore: " + ("; ".join(decisive) or f"runc restore exited {rc}")
         msg += f" (full CRIU log: {os.path.join(work, 'restore.log')})"
-        log_error(call, msg)
-        _mark(plan_dir, FAILED, msg)
+        _fail(call, plan_dir, msg)
         return rc or 1
     try:
         with open(pid_file if os.path.isabs(pid_file) else os.path.join(bundle, pid_file), encoding="ascii") as fh:
@@ -301,11 +314,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
                                           "nonce": nonce, "pid": pid}))
     if lazy:
         return 0  # the images are the page source's until every page is in
-    # The images served their purpose; keep only the logs.
-    import shutil
-
-    shutil.rmtree(os.path.join(plan_dir, "images"), ignore_errors=True)
-    shutil.rmtree(os.path.join(plan_dir, "predump"), ignore_errors=True)
+    drop_data(plan_dir)  # served their purpose; the marks and logs stay
     return 0
 
 
@@ -320,6 +329,44 @@ def _lazy_problem(plan_dir: str, work: str) -> str:
         return ("the page source for this container is gone (it waits a limited time for StartContainer); "
                 "restore the checkpoint again")
     return ""
+
+
+def _fail(call: Call, plan_dir: str, msg: str) -> None:
+    """A restore that did not happen: the error where the shim looks, the plan marked, its data gone.
+
+    The plan is never used again (a new restore writes a new one), so the
+    plaintext it holds goes now, not when the container is removed: CRIU's
+    images and the writable layer. A lazy plan's images are its page
+    source's, which ends with the restore.
+    """
+    log_error(call, msg)
+    _mark(plan_dir, FAILED, msg)
+    try:
+        import json
+
+        with open(os.path.join(plan_dir, PLAN_FILE), encoding="utf-8") as fh:
+            lazy = json.loads(fh.read(1 << 20)).get("lazy") is True
+    except (OSError, ValueError, AttributeError):
+        lazy = False
+    if not lazy:
+        drop_data(plan_dir)
+
+
+def drop_data(plan_dir: str) -> None:
+    """Remove a plan's checkpoint data (`PLAN_DATA`), keeping the plan, its marks and its logs."""
+    import shutil
+
+    for name in PLAN_DATA:
+        path = os.path.join(plan_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass
 
 
 def _mark(plan_dir: str, name: str, text: str) -> None:
@@ -348,12 +395,22 @@ def main(runc: str, plans_dir: str, argv: list[str] | None = None) -> int:
         if os.path.exists(os.path.join(plan_dir, RESTORED)):
             return 0
         os.execv(runc, [runc, *args])
-    # delete
+    # delete: the plan goes; a refusal's mark stays for the agent to read (no checkpoint data in it),
+    # since the runtime deletes a task that failed to start before its caller hears why.
     import shutil
     import subprocess
 
     rc = subprocess.run([runc, *args], close_fds=True).returncode
-    shutil.rmtree(plan_dir, ignore_errors=True)
+    if os.path.exists(os.path.join(plan_dir, FAILED)):
+        for name in os.listdir(plan_dir):
+            if name != FAILED:
+                path = os.path.join(plan_dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+    else:
+        shutil.rmtree(plan_dir, ignore_errors=True)
     return rc
 
 

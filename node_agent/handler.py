@@ -20,17 +20,15 @@ agent's wrapper, reading this agent's restore plans. Three layers make sure:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shlex
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from criu_bridge.wrapper import PLAN_ANNOTATION, PLAN_FILE, RESTORED, launcher_settings
+from criu_bridge.wrapper import FAILED, PLAN_ANNOTATION, PLAN_FILE, RESTORED, drop_data, launcher_settings
 from node_agent import errors
 from node_agent.config import Settings
 from node_agent.cri import CriClient
@@ -167,6 +165,25 @@ def read_restored(plan_dir: str) -> Restored | None:
         return None
 
 
+def refusal(plan_dir: str) -> errors.AgentError | None:
+    """The wrapper's own account of a restore it did not do (its `failed` mark), as an error; None without one.
+
+    Its words name the pod, the container and the phase, without the
+    runtime's layers around them. A refusal before runc ran (the images'
+    privileges, file locks, the plan, the writable layer, the page source)
+    is FAILED_PRECONDITION; CRIU's own failure (phase restore) is INTERNAL.
+    """
+    try:
+        with open(os.path.join(plan_dir, FAILED), encoding="utf-8", errors="replace") as fh:
+            text = fh.read(64 << 10).strip()
+    except OSError:
+        return None
+    if not text:
+        return None
+    code: type[errors.AgentError] = errors.Internal if ", phase restore: " in text else errors.FailedPrecondition
+    return code(text)
+
+
 def plan_nonce(plan_dir: str) -> str | None:
     """The nonce of the plan in `plan_dir` (None when there is no plan)."""
     try:
@@ -177,11 +194,6 @@ def plan_nonce(plan_dir: str) -> str | None:
     except (OSError, ValueError):
         return ""
     return str(doc.get("nonce") or "") if isinstance(doc, dict) else ""
-
-
-# What a plan holds of the checkpoint (plaintext CRIU images, the writable
-# layer): needed until the restore is done, and removed then.
-_PLAN_DATA = ("images", "predump", "rootfs-diff.tar", "deleted.files", "opaque.dirs")
 
 
 def drop_plan_data(plan_dir: str) -> None:
@@ -196,13 +208,7 @@ def drop_plan_data(plan_dir: str) -> None:
         return
     if lazy:
         return
-    for name in _PLAN_DATA:
-        path = os.path.join(plan_dir, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    drop_data(plan_dir)
 
 
 async def verify_restored(cri: CriClient, s: Settings, container_id: str, plan_dir: str, nonce: str, *,

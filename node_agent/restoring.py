@@ -353,6 +353,9 @@ class Restorer:
                 try:
                     await self.cri.start_container(cid)
                 except errors.AgentError as exc:
+                    refused = handler.refusal(os.path.join(self.settings.plans_dir, cid))
+                    if refused is not None:
+                        raise refused from exc
                     raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
                 await handler.verify_restored(self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid),
                                               nonce, where=f"restore of pod {where}, container {cname}",
@@ -370,24 +373,11 @@ class Restorer:
         """May this checkpoint be restored into `namespace` (as pod `where`)? PERMISSION_DENIED if not.
 
         Every restore asks, before anything is made: `restore` (store, API,
-        CRI RestorePod) and restore through a Pod (the CRI endpoint). In
-        order: the namespace's policy (`namespaces:`), a checkpoint imported
-        from another engine's archive (`restore.allow-foreign`), a trusted
-        signature when `restore.require-signature` is set. Returns the
-        signer's key id ("" when no signature is required).
+        CRI RestorePod) and restore through a Pod (the CRI endpoint, also
+        for a pull before it is published: `admit`). Returns the signer's
+        key id ("" when no signature is required).
         """
-        policy.require(self.settings, "restore", namespace, where)
-        rules = self.settings.restore
-        engine = foreign_engine(record, saved)
-        if engine and not rules.allow_foreign:
-            raise errors.PermissionDenied(
-                f"restore as pod {where}: checkpoint {record.id} was imported from another engine's archive "
-                f"({engine}), not made by node-agent; this node restores such checkpoints only with "
-                "restore.allow-foreign: true"
-            )
-        if not rules.require_signature:
-            return ""
-        return await asyncio.to_thread(signing.require_trusted, source or self.store, record, self.settings, namespace)
+        return await asyncio.to_thread(admit, self.settings, source or self.store, record, saved, namespace, where)
 
     async def preflight(self, record: CheckpointRecord, saved: SavedPod, source: Store | None = None) -> None:
         for cname, cfg, _ in saved.containers:
@@ -489,6 +479,30 @@ class Restorer:
         await self.lazy.cancel(entry.op_id)
         await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
         self.journal.remove(entry)
+
+
+def admit(settings: Settings, signatures: signing.ReferrerReader, record: CheckpointRecord, saved: SavedPod,
+          namespace: str, where: str) -> str:
+    """May `record` be restored into `namespace` (as pod `where`)? PERMISSION_DENIED if not (blocking).
+
+    In order: the namespace's policy (`namespaces:`), a checkpoint imported
+    from another engine's archive (`restore.allow-foreign`), a trusted
+    signature when `restore.require-signature` is set, read from
+    `signatures` (the store, or a pull not yet published). Returns the
+    signer's key id ("" when no signature is required).
+    """
+    policy.require(settings, "restore", namespace, where)
+    rules = settings.restore
+    engine = foreign_engine(record, saved)
+    if engine and not rules.allow_foreign:
+        raise errors.PermissionDenied(
+            f"restore as pod {where}: checkpoint {record.id} was imported from another engine's archive "
+            f"({engine}), not made by node-agent; this node restores such checkpoints only with "
+            "restore.allow-foreign: true"
+        )
+    if not rules.require_signature:
+        return ""
+    return signing.require_trusted(signatures, record, settings, namespace)
 
 
 def foreign_engine(record: CheckpointRecord, saved: SavedPod) -> str:

@@ -31,13 +31,12 @@ path each locked file has in the container, from four images:
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from criu_bridge import criuimg as img
-from criu_bridge.errors import InvalidInput
+from criu_bridge.errors import InvalidInput, LimitExceeded
 from node_agent import errors
 
 _FILE_ENTRY_REG = 3
@@ -58,6 +57,8 @@ def _agent_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return fn(*args, **kwargs)
+        except LimitExceeded as exc:
+            raise errors.ResourceExhausted(str(exc)) from None
         except InvalidInput as exc:
             raise errors.InvalidArgument(str(exc)) from None
 
@@ -119,44 +120,21 @@ def relax_root_dir_mode(data: bytes) -> tuple[bytes, int]:
 FL_POSIX, FL_FLOCK, FL_OFD, FL_LEASE = 1, 2, 4, 8
 F_WRLCK = 1
 LOCK_MAND = 32
-MAX_IMAGE = 64 << 20
 
 
 def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _read(images: str, name: str) -> bytes | None:
-    path = os.path.join(images, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise errors.InvalidArgument(f"cannot read {name}: {exc.strerror}") from exc
-    try:
-        if os.fstat(fd).st_size > MAX_IMAGE:
-            raise errors.ResourceExhausted(f"{name} is larger than {MAX_IMAGE} bytes")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _files_id(images: str, pid: int) -> int | None:
     """The fd table id of task `pid`: ids-<pid>.img (task_kobj_ids_entry), or the ids inside core-<pid>.img."""
-    data = _read(images, f"ids-{pid}.img")
+    data = img.read_image(images, f"ids-{pid}.img")
     if data is not None:
         for start, end in img.entries(data, magic=img.IDS_MAGIC, what=f"ids-{pid}.img"):
             ids = img.varints(data, start, end)
             if 2 in ids:  # files_id
                 return ids[2]
-    data = _read(images, f"core-{pid}.img")
+    data = img.read_image(images, f"core-{pid}.img")
     if data is None:
         return None
     for start, end in img.entries(data, magic=img.CORE_MAGIC, what=f"core-{pid}.img"):
@@ -170,7 +148,7 @@ def _files_id(images: str, pid: int) -> int | None:
 
 def _fd_files(images: str, files_id: int) -> dict[int, int]:
     """fd -> file id, from fdinfo-<files_id>.img."""
-    data = _read(images, f"fdinfo-{files_id}.img")
+    data = img.read_image(images, f"fdinfo-{files_id}.img")
     out: dict[int, int] = {}
     if data is None:
         return out
@@ -183,7 +161,7 @@ def _fd_files(images: str, files_id: int) -> dict[int, int]:
 
 def _reg_paths(images: str) -> dict[int, str]:
     """file id -> path of every regular-file entry of files.img."""
-    data = _read(images, "files.img")
+    data = img.read_image(images, "files.img")
     out: dict[int, str] = {}
     if data is None:
         return out
@@ -205,7 +183,7 @@ def _reg_paths(images: str) -> dict[int, str]:
 @_agent_errors
 def file_locks(images: str) -> list[dict[str, object]]:
     """The file locks the checkpoint's processes hold: path, kind, write, start, len, pid, fd."""
-    data = _read(images, "filelocks.img")
+    data = img.read_image(images, "filelocks.img")
     if data is None:
         return []
     raw = []

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from criu_bridge import wrapper
+from criu_bridge import privileges, wrapper
 from criu_bridge.wrapper import Call
+from tests.unit.criu_images import Checkpoint, core, creds, spec
 
 CID = "a" * 64
 
@@ -47,7 +48,7 @@ def env(tmp_path: Path) -> dict[str, Path]:
     bundle = tmp_path / "bundle"
     (bundle / "rootfs" / "etc").mkdir(parents=True)
     (bundle / "rootfs" / "etc" / "gone").write_text("x")
-    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}}))
+    (bundle / "config.json").write_text(json.dumps({**spec(), "root": {"path": "rootfs"}}))
     launcher = tmp_path / "bin" / "node-agent-runc"
     assert wrapper.install(str(launcher), python=sys.executable, runc=str(fake), plans_dir=str(plans))
     assert not wrapper.install(str(launcher), python=sys.executable, runc=str(fake), plans_dir=str(plans))
@@ -65,8 +66,7 @@ def _argv(env: dict[str, Path]) -> list[str]:
 
 def _plan(env: dict[str, Path]) -> Path:
     d = env["plans"] / CID
-    (d / "images").mkdir(parents=True)
-    (d / "images" / "inventory.img").write_bytes(b"x")
+    Checkpoint(d / "images").write()
     with tarfile.open(d / "rootfs-diff.tar", "w") as tf:
         data = env["tmp"] / "payload"
         data.write_text("restored content")
@@ -110,6 +110,38 @@ def test_create_with_a_plan_restores(env: dict[str, Path]) -> None:
     assert _run(env, "--root", "/r", "delete", "--force", CID).returncode == 0
     assert _argv(env) == ["--root", "/r", "delete", "--force", CID]
     assert not d.exists()
+
+
+def test_images_granting_more_than_the_config_are_refused_before_runc_runs(env: dict[str, Path]) -> None:
+    """A checkpoint grants nothing: CAP_SYS_ADMIN in the images, not in config.json, is refused by name."""
+    d = _plan(env)
+    forged = Checkpoint(d / "images")
+    forged.files["core-7.img"] = core(7, comm="sh", thread=creds(
+        caps=privileges.capability_mask(["CAP_SYS_ADMIN", "CAP_CHOWN"])))
+    forged.write()
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--log", str(log), "--log-format", "json", "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode == 1 and r.stderr == ""
+    assert not env["record"].exists(), "runc ran"
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert msg.startswith("restore of pod ns/p, container app, phase privileges: ")
+    assert ("task 7 (sh): capabilities CAP_SYS_ADMIN in its permitted, effective and bounding sets are outside the "
+            "container's bounding set") in msg
+    assert (d / "failed").read_text() == msg and not (d / "restored").exists()
+    assert not any((d / name).exists() for name in wrapper.PLAN_DATA), "the refused plan keeps its plaintext"
+    # containerd deletes the task that failed to start before its caller asks why: the mark stays, alone.
+    assert _run(env, "delete", "--force", CID).returncode == 0
+    assert sorted(os.listdir(d)) == ["failed"] and (d / "failed").read_text() == msg
+
+
+def test_unreadable_images_are_refused_as_such(env: dict[str, Path]) -> None:
+    d = _plan(env)
+    (d / "images" / "pstree.img").write_bytes(b"junk")
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--log", str(log), "--log-format", "json", "create", "--bundle", str(env["bundle"]), CID)
+    assert r.returncode == 1 and not env["record"].exists()
+    assert "phase privileges: the checkpoint's images grant what this container's config does not: the images " \
+           "cannot be read: pstree.img is truncated" in log.read_text()
 
 
 @pytest.mark.parametrize("options", [["file-locks"], ["file-locks", "tcp-close"], ["tcp-established"]])
@@ -193,7 +225,7 @@ def test_a_lazy_plan_without_its_page_source_fails_clearly(env: dict[str, Path],
 
 def _spec_with_mark(env: dict[str, Path], nonce: str) -> None:
     (env["bundle"] / "config.json").write_text(json.dumps(
-        {"root": {"path": "rootfs"}, "annotations": {wrapper.PLAN_ANNOTATION: nonce, "other": "x"}}))
+        {**spec(), "root": {"path": "rootfs"}, "annotations": {wrapper.PLAN_ANNOTATION: nonce, "other": "x"}}))
 
 
 def test_a_marked_container_without_its_plan_is_refused_and_runc_never_runs(env: dict[str, Path]) -> None:
@@ -251,9 +283,9 @@ def test_a_lock_a_live_process_holds_fails_the_restore_by_name(env: dict[str, Pa
         assert r.returncode != 0 and not env["record"].exists()
         msg = json.loads(log.read_text().splitlines()[-1])["msg"]
         assert "phase file-locks" in msg and "/vol/app.lock" in msg and str(lock) in msg
-    # Released: the same plan restores.
-    r = _run(env, "--root", "/r", "create", "--bundle", str(env["bundle"]), CID)
-    assert r.returncode == 0, r.stderr
+    # A failed plan is never used again: its plaintext (CRIU's images, the writable layer) is gone at once.
+    assert (d / "failed").exists() and (d / "plan.json").exists()
+    assert not any((d / name).exists() for name in wrapper.PLAN_DATA)
 
 
 def test_launcher_settings_read_back_what_install_wrote(env: dict[str, Path]) -> None:
