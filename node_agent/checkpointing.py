@@ -184,7 +184,9 @@ class Checkpointer:
                 pod_ref = pod.ref
                 # The node's policy for the pod's namespace, before anything is frozen or written.
                 policy.require(self.settings, "checkpoint", pod.namespace, pod.ref)
-                self.seal_key(pod.namespace)  # a broken key source refuses before the pod is touched
+                # A broken key source refuses before the pod is touched (a KMS plugin may run:
+                # off the event loop).
+                await asyncio.to_thread(self.seal_key, pod.namespace)
                 phase[0] = "waiting for an earlier operation on the pod"
                 if self.turns.busy(pod.id):
                     progress(Progress("queued", message=f"pod {pod.ref} is busy; waiting"))
@@ -528,11 +530,14 @@ class Checkpointer:
         """The key the namespace's checkpoints are sealed under (None: not encrypted)."""
         return self.keys.seal_key(namespace) if self.keys is not None else None
 
-    def rekey(self, record: CheckpointRecord) -> CheckpointRecord:
+    def rekey(self, record: CheckpointRecord) -> tuple[CheckpointRecord, signing.CopySignature]:
         """A copy of ``record`` sealed under its namespace's newest key (or in the clear if its domain has none).
 
         Synchronous (a worker thread). Unchanged when it is sealed under that
-        key already: the copy is the same bytes, so the same id.
+        key already: the copy is the same bytes, so the same id. A new copy
+        is signed by the node only if ``record`` carries a signature trusted
+        for its namespace or by the node's key (``signing.sign_copy``, which
+        says why not).
         """
         record.require_open()
         pod = record.metadata.get("pod")
@@ -541,11 +546,13 @@ class Checkpointer:
         if not namespace:
             raise errors.FailedPrecondition(f"checkpoint {record.id} names no namespace: its key domain is unknown")
         new = self.store.copy(record, seal=self.seal_key(namespace))
-        if new.id != record.id:  # a new checkpoint: signed as every one this node publishes
-            signing.sign_published(self.settings.signing.key_file, self.store, new.id)
+        signed = signing.CopySignature()
+        if new.id != record.id:  # a new checkpoint: signed if its source is vouched for, never laundered
+            signed = signing.sign_copy(self.settings.signing.key_file, self.store, record, new.id, self.settings,
+                                       namespace)
         log.info("checkpoint %s re-encrypted as %s (key %s -> %s)", record.id, new.id, record.key_id or "none",
                  new.key_id or "none", extra={"checkpoint": new.id})
-        return new
+        return new, signed
 
     def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
         seal = self.seal_key(str(meta["pod"]["namespace"]))

@@ -31,6 +31,8 @@ from node_agent.configerrors import refusal, shown
 from node_agent.errors import InvalidArgument
 
 DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
+# `min-free-bytes` when the config leaves it out (and what a pull keeps free when its caller does not say).
+DEFAULT_MIN_FREE_BYTES = 256 << 20
 
 # Numbers a config key takes: every one is finite (`le` the largest float
 # keeps out inf; every bound keeps out nan).
@@ -95,6 +97,10 @@ class Timeouts(_Section, frozen=True):
     # How long a lazily restored container may wait for StartContainer
     # before its page source gives up.
     lazy_start: Positive = 600.0
+    # How long a Pod restore keeps the verified files of the containers the
+    # kubelet has not created yet (plaintext); a later CreateContainer reads
+    # and verifies them again from the store.
+    pod_staging: Positive = 300.0
 
 
 class Retention(_Section, frozen=True):
@@ -105,6 +111,9 @@ class Retention(_Section, frozen=True):
     max_age_seconds: Count = 0
     # How often the daemon collects garbage (seconds); 0 turns it off.
     gc_interval: Count = 3600
+    # How often restore plans of removed containers, and Pod restores'
+    # expired staging (`timeouts.pod-staging`), are swept (seconds); 0: off.
+    plan_sweep_interval: Count = 60
 
 
 class Devices(_Section, frozen=True):
@@ -196,6 +205,9 @@ class KeySource(_Section, frozen=True):
     exec: tuple[str, ...] = ()
     # How long the plugin may run (seconds).
     timeout: Positive = 10.0
+    # Variables of the agent's environment the plugin gets besides PATH and
+    # LANG (its KMS credentials, for example); exec only.
+    env: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -279,8 +291,8 @@ class Document(_Section, frozen=True):
     log_format: LogFormat = "text"
     log_level: LogLevel = "info"
     # Free bytes a restore leaves on the store's filesystem, beyond the
-    # checkpoint's own size.
-    min_free_bytes: Count = 256 << 20
+    # checkpoint's own size, and that every pull leaves free there.
+    min_free_bytes: Count = DEFAULT_MIN_FREE_BYTES
     # Where pods' log directories live, and the cgroup parent, for pods made
     # from foreign (e.g. Podman) archives.
     pod_log_root: str = "/var/log/pods"
@@ -433,6 +445,7 @@ def validate(s: Settings) -> Settings:
 
 
 _KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _validate_security(s: Settings) -> None:
@@ -447,6 +460,11 @@ def _validate_security(s: Settings) -> None:
             raise InvalidArgument(f"encryption.key-sources[{i}].{given[0]} must be an absolute path, got {path!r}")
         if source.exec and not os.path.isabs(source.exec[0]):
             raise InvalidArgument(f"encryption.key-sources[{i}].exec: the command must be an absolute path")
+        if source.env and not source.exec:
+            raise InvalidArgument(f"encryption.key-sources[{i}].env: only a plugin (exec) has an environment")
+        for name in source.env:
+            if not _ENV_NAME.fullmatch(name):
+                raise InvalidArgument(f"encryption.key-sources[{i}].env: {name!r} is not an environment variable name")
     owner: dict[str, str] = {}
     for name, members in s.encryption.domains.items():
         if not _KEY_ID.fullmatch(name):

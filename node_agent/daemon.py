@@ -24,15 +24,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-import grpc
-
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
 from node_agent import errors, handler, signing
 from node_agent import sdnotify
-from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
-from node_agent.api.listeners import SERVER_OPTIONS, Listeners
+from node_agent.api.listeners import Listeners
 from node_agent.checkpointing import Checkpointer
 from node_agent.config import Settings
 from node_agent.cri import CriClient
@@ -40,7 +37,7 @@ from node_agent.journal import Journal
 from node_agent.keys import Keys
 from node_agent.metrics import Metrics
 from node_agent.podformat import POD_ANNOTATION
-from node_agent.recovery import recover
+from node_agent.recovery import gc_plans, recover
 from node_agent.restoring import Restorer
 from node_agent.store import Store
 
@@ -79,6 +76,18 @@ async def periodic_gc(s: Settings, gc: Callable[..., Any]) -> None:
                          extra={"phase": "gc"})
         except Exception:  # noqa: BLE001 - logged; the next round tries again
             log.exception("periodic gc failed")
+
+
+async def periodic_sweep(s: Settings, cri: CriClient, endpoint: Any) -> None:
+    """Every `retention.plan-sweep-interval` seconds: plans of removed containers, expired Pod staging (never fatal)."""
+    while True:
+        await asyncio.sleep(s.retention.plan_sweep_interval)
+        try:
+            await gc_plans(s, cri)
+            if endpoint is not None:
+                await endpoint.sweep()
+        except Exception:  # noqa: BLE001 - logged; the next round tries again
+            log.exception("periodic sweep of restore plans failed")
 
 
 def prepare_dirs(s: Settings) -> None:
@@ -124,8 +133,8 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     prepare_dirs(s)
     if not s.wrapper_python:  # else install-handler wrote it for the host
         install_wrapper(s)
-    keys = Keys(s.encryption)
-    for line in keys.describe():
+    keys = await asyncio.to_thread(Keys, s.encryption)  # a KMS plugin runs at start: off the event loop
+    for line in await asyncio.to_thread(keys.describe):
         log.info("encryption key source %s", line)
     if s.signing.key_file:  # a key that cannot sign fails the start, not the first checkpoint
         log.info("checkpoints are signed by %s", signing.signer_for(s.signing.key_file).key_id)
@@ -146,7 +155,6 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
         metrics.store_size = store.usage
         checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys)
         restorer = Restorer(s, cri, store, journal, criu, metrics)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
         policy = retention_policy(s)
 
         def gc(dry_run: bool = False) -> Any:
@@ -154,8 +162,8 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
 
         devices = await start_devices(s, metrics)
         servicer = AgentServicer(checkpointer, restorer, store, gc, devices=devices)
-        pb_grpc.add_NodeAgentServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         listeners = Listeners(s, servicer, metrics)
+        server = listeners.root_server()
         await listeners.bind(server)
         await server.start()
         await listeners.start()
@@ -176,14 +184,19 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
         gc_task = (
             asyncio.create_task(periodic_gc(s, gc), name="periodic-gc") if s.retention.gc_interval > 0 else None
         )
+        sweep_task = (
+            asyncio.create_task(periodic_sweep(s, cri, cri_listener.endpoint.pods if cri_listener else None),
+                                name="periodic-sweep") if s.retention.plan_sweep_interval > 0 else None
+        )
         await stop.wait()
         deadline = time.monotonic() + s.timeouts.cleanup + _SHUTDOWN_MARGIN
         log.info("shutting down: calls in flight get %gs", s.timeouts.cleanup)
         sdnotify.stopping("stopping: letting operations in flight finish")
-        if gc_task is not None:
-            gc_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gc_task
+        for task in (gc_task, sweep_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         # Every listener stops at once: calls in flight get the grace period,
         # then are cancelled, which thaws and removes what they made.
         stops = [listeners.stop(server, grace=s.timeouts.cleanup)]

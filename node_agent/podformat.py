@@ -145,6 +145,19 @@ def manifest_annotations(meta: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+def namespace_of(record: CheckpointRecord) -> str:
+    """The namespace a checkpoint's pod was in, as its metadata says ("" when it says none).
+
+    A locked checkpoint (its key is not here) says it only in the clear
+    annotation `POD_ANNOTATION`.
+    """
+    pod = record.metadata.get("pod") if isinstance(record.metadata, Mapping) else None
+    ns = pod.get("namespace") if isinstance(pod, Mapping) else None
+    if isinstance(ns, str):
+        return ns
+    return record.annotations.get(POD_ANNOTATION, "").partition("/")[0] if record.locked else ""
+
+
 # ---- reading a saved checkpoint back ----------------------------------------
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")

@@ -9,6 +9,12 @@ namespace's own rule decides; a field it leaves unset (or a namespace
 without a rule) falls back to the rule of "*"; where neither says, the
 action is allowed. Pure: reads Settings, no I/O.
 
+Restore through a Pod takes its checkpoint and options from the Pod's
+annotations, which anyone who may create a Pod writes: `pod_sources`
+says which namespaces' checkpoints a Pod may name (its own, plus
+`restore.pod-sources`), `require_pod_host_access` where its annotation may
+allow host access (`restore.pod-host-access-namespaces`).
+
 `describe` words the whole effective policy (namespaces, restore rules,
 signing, encryption) as lines for `doctor --deployment`: names, paths and
 public keys as configured, never key material.
@@ -74,6 +80,36 @@ def require(settings: Settings, action: Action, namespace: str, pod: str) -> Non
     raise errors.PermissionDenied(f"{what}: refused by this node's policy: {why}")
 
 
+# ---- restore through a Pod: its annotations are whoever may create Pods' -----------
+
+
+def pod_sources(settings: Settings, target: str) -> frozenset[str]:
+    """The namespaces whose checkpoints a Pod in `target` may name in `restore-from` ("*": any).
+
+    Its own namespace always; more only where `restore.pod-sources` lists
+    them for `target` or for "*".
+    """
+    rules = settings.restore.pod_sources
+    return frozenset({target, *rules.get(target, ()), *rules.get(DEFAULT, ())})
+
+
+def pod_may_restore_from(settings: Settings, source: str, target: str) -> bool:
+    allowed_sources = pod_sources(settings, target)
+    return DEFAULT in allowed_sources or source in allowed_sources
+
+
+def require_pod_host_access(settings: Settings, namespace: str, pod: str) -> None:
+    """PERMISSION_DENIED unless Pods in `namespace` may allow host access by annotation."""
+    listed = settings.restore.pod_host_access_namespaces
+    if namespace in listed or DEFAULT in listed:
+        return
+    raise errors.PermissionDenied(
+        f"restore as pod {pod}: the Pod's annotation allows host access, which this node honours only in "
+        "namespaces listed in restore.pod-host-access-namespaces"
+        + (f" ({', '.join(listed)})" if listed else " (none)")
+    )
+
+
 # ---- the effective policy, in words ------------------------------------------------
 
 
@@ -106,6 +142,12 @@ def describe(settings: Settings) -> list[str]:
             out.append(f'restore.trusted-keys["{ns}"]: ' + (", ".join(keys) if keys else "none"))
     else:
         out.append("restore.trusted-keys: none")
+    out.append("restore.pod-sources (restore-from across namespaces): " + (
+        "; ".join(f"into {t}: from {', '.join(r.pod_sources[t]) or 'none'}" for t in sorted(r.pod_sources))
+        or "none (a Pod restores only checkpoints of its own namespace)"))
+    out.append("restore.pod-registries: " + (", ".join(r.pod_registries)
+                                             or "none (registry references in restore-from are refused)"))
+    out.append("restore.pod-host-access-namespaces: " + (", ".join(r.pod_host_access_namespaces) or "none"))
     out.append("restore.allow-foreign: " + ("true" if r.allow_foreign else
                                             "false (checkpoints imported from CRI-O, Podman or containerd "
                                             "archives are not restored)"))

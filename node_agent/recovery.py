@@ -119,16 +119,34 @@ async def end_stray_helpers(settings: Settings, cri: CriClient) -> None:
                  len(ended), kept, extra={"phase": "recovery"})
 
 
-async def gc_plans(settings: Settings, cri: CriClient) -> None:
-    """Remove restore plans whose container no longer exists."""
+async def gc_plans(settings: Settings, cri: CriClient) -> list[str]:
+    """Remove restore plans whose container no longer exists; returns their container IDs.
+
+    At start-up, and every `retention.plan-sweep-interval` seconds while the
+    agent runs: a container removed without the agent hearing of it (through
+    containerd directly, or while the agent was down) leaves a plan that
+    holds plaintext. The plans are listed before the containers: a plan is
+    written only after its container exists, so one listed first whose
+    container is missing from the later list is gone for good, never one of
+    a restore in flight.
+    """
     if not os.path.isdir(settings.plans_dir):
-        return
+        return []
+    names = os.listdir(settings.plans_dir)
+    if not names:
+        return []
     try:
         live = {c.id for c in await cri.list_containers()}
     except errors.AgentError as exc:
         log.warning("cannot list containers to clean restore plans: %s", exc)
-        return
-    for name in os.listdir(settings.plans_dir):
+        return []
+    gone = []
+    for name in names:
         cid = name.removesuffix(".materialize")
         if cid not in live:
-            shutil.rmtree(os.path.join(settings.plans_dir, name), ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, os.path.join(settings.plans_dir, name), True)
+            gone.append(cid)
+    if gone:
+        log.info("removed the restore plans of %d container(s) that no longer exist: %s", len(gone),
+                 ", ".join(c[:13] for c in gone), extra={"phase": "sweep"})
+    return gone

@@ -6,12 +6,10 @@ containerd. Everything is forwarded to containerd byte for byte
 
 - `CheckpointPod` and `RestorePod` (KEP-5823), implemented here: the
   checkpoint is a self-contained OCI layout inside the caller's directory;
-- `RunPodSandbox`, `CreateContainer` and `RemovePodSandbox` of pods annotated
-  with `checkpoint.node-agent.io/restore-from`: the sandbox is made with the
-  restore handler and each container gets a restore plan (and the plan's
-  mark, an annotation appended to the kubelet's request), so the kubelet's
-  own StartContainer resumes the checkpointed processes ("restore through a
-  Pod"). Other pods' calls are forwarded untouched;
+- `RunPodSandbox`, `CreateContainer`, `RemoveContainer` and
+  `RemovePodSandbox`, for restore through a Pod annotated
+  `checkpoint.node-agent.io/restore-from` (`pod_restores`); other pods' calls
+  are forwarded untouched;
 - `StartContainer` of a container with a restore plan: forwarded, then
   verified (`node_agent.handler`): the runtime must have restored it from
   its plan, or it is stopped and the call fails.
@@ -25,39 +23,29 @@ import asyncio
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
 import stat
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, handler, policy
+from node_agent import errors, handler, policy
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
+from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, RT, PodRestores, valid_id
 from node_agent.checkpointing import CheckpointRequest, Checkpointer
 from node_agent.cri.client import to_json
-from node_agent.options import boolean
-from node_agent.podformat import check_host_access, load_saved, parse_all_options
-from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options, undo_restore
-from node_agent.store import CheckpointRecord, Store, WriterHooks
+from node_agent.podformat import load_saved, parse_all_options
+from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options
+from node_agent.store import Store, WriterHooks
 from node_agent.store.sealing import Keyring
 
 log = logging.getLogger(__name__)
 
-RT = "/runtime.v1.RuntimeService/"
-RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
-# On a Pod restored through its annotation: let the checkpoint's configs reach
-# into the host (`true` or `false`; docs/cri-endpoint.md).
-ALLOW_HOST_ACCESS = "checkpoint.node-agent.io/allow-host-access"
-STATE_DIR = "cri-restores"
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+__all__ = ["ALLOW_HOST_ACCESS", "RESTORE_FROM", "CriEndpoint", "CriListener"]
 
 
 def _timeout(context: grpc.aio.ServicerContext) -> float | None:
@@ -150,41 +138,6 @@ class _OutputWriters:
             return self._idle.wait_for(lambda: self._writers <= 0, timeout)
 
 
-# ---- restore through a Pod: durable per-sandbox state -----------------------------
-
-
-@dataclass
-class _PodRestore:
-    sandbox_id: str
-    checkpoint: str
-    pod: str  # namespace/name
-    options: tuple[str, ...]
-    pending: list[str]  # checkpointed containers not created yet
-    dir: str
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def staging(self) -> str:
-        return os.path.join(self.dir, "staging")
-
-    def save(self) -> None:
-        doc = {"sandbox_id": self.sandbox_id, "checkpoint": self.checkpoint, "pod": self.pod,
-               "options": list(self.options), "pending": self.pending}
-        path = os.path.join(self.dir, "state.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(doc, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(path + ".tmp", path)
-
-    @classmethod
-    def load(cls, d: str) -> _PodRestore:
-        with open(os.path.join(d, "state.json"), encoding="utf-8") as fh:
-            doc = json.load(fh)
-        return cls(str(doc["sandbox_id"]), str(doc["checkpoint"]), str(doc["pod"]),
-                   tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d)
-
-
 class CriEndpoint:
     """The agent's own CRI methods; the rest goes through `proxy`."""
 
@@ -195,23 +148,19 @@ class CriEndpoint:
         self.store = store
         self.upstream = upstream
         self.proxy = CriProxy(upstream)
+        self.pods = PodRestores(checkpointer, restorer, store, self.proxy)
         self.proxy.local = self.handlers()
-        self._forward_run = self.proxy.unary_forwarder(RT + "RunPodSandbox")
-        self._forward_create = self.proxy.unary_forwarder(RT + "CreateContainer")
-        self._forward_remove = self.proxy.unary_forwarder(RT + "RemovePodSandbox")
         self._forward_start = self.proxy.unary_forwarder(RT + "StartContainer")
         self._images = cri_grpc.ImageServiceStub(upstream)  # type: ignore[no-untyped-call]
-        self.state_root = os.path.join(self.settings.store, STATE_DIR)
-        self.restores: dict[str, _PodRestore] = {}
-        self._load_state()
 
     def handlers(self) -> dict[str, LocalHandler]:
         return {
             RT + "CheckpointPod": self.checkpoint_pod,
             RT + "RestorePod": self.restore_pod,
-            RT + "RunPodSandbox": self.run_pod_sandbox,
-            RT + "CreateContainer": self.create_container,
-            RT + "RemovePodSandbox": self.remove_pod_sandbox,
+            RT + "RunPodSandbox": self.pods.run_pod_sandbox,
+            RT + "CreateContainer": self.pods.create_container,
+            RT + "RemovePodSandbox": self.pods.remove_pod_sandbox,
+            RT + "RemoveContainer": self.pods.remove_container,
             RT + "StartContainer": self.start_container,
         }
 
@@ -355,132 +304,10 @@ class CriEndpoint:
                 f"RestorePod: container {cname} was checkpointed from image {saved}, not {given}"
             )
 
-    # ---- restore through a Pod ----------------------------------------------
-
-    def _load_state(self) -> None:
-        os.makedirs(self.state_root, mode=0o700, exist_ok=True)
-        for name in os.listdir(self.state_root):
-            d = os.path.join(self.state_root, name)
-            try:
-                st = _PodRestore.load(d)
-            except (OSError, ValueError, KeyError, TypeError):
-                shutil.rmtree(d, ignore_errors=True)  # a sandbox that never finished being made
-                continue
-            self.restores[st.sandbox_id] = st
-
-    async def prune(self) -> None:
-        """Forget restores whose sandbox is gone (removed while the agent was down, or not through it)."""
-        if not self.restores:
-            return
-        try:
-            alive = {p.id for p in await self.checkpointer.cri.list_pods()}
-        except errors.AgentError as exc:
-            log.warning("cannot list sandboxes to prune pending restores: %s", exc)
-            return
-        for pod_id in [i for i in self.restores if i not in alive]:
-            shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
-
-    async def run_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = cri.RunPodSandboxRequest.FromString(raw)
-        ref = req.config.annotations.get(RESTORE_FROM, "")
-        if not ref:
-            return await self._forward_run(raw, context)
-        meta = req.config.metadata
-        where = f"{meta.namespace}/{meta.name}"
-        tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
-        try:
-            allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
-            # A namespace the policy refuses pulls nothing (the admission below asks again).
-            policy.require(self.settings, "restore", meta.namespace, where)
-            record = await self._resolve_checkpoint(ref.strip(), where)
-            saved = await asyncio.to_thread(load_saved, self.store, record)
-            await self.restorer.admit(record, saved, meta.namespace, where)
-            check_host_access(record.id, saved, self.settings, allowed=allow)
-            await self.restorer.preflight(record, saved)
-            await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
-            os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
-            await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            shutil.rmtree(tmp, ignore_errors=True)
-            await abort_with(context, _for_pod(exc, where, ref))
-            raise  # not reached
-        # The kubelet's request, byte for byte, with the restore handler appended
-        # (a later occurrence of a scalar field wins when protobuf parses).
-        override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
-        try:
-            resp_raw = await self._forward_run(raw + override, context)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
-        st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
-                         os.path.join(self.state_root, pod_id))
-        try:
-            await devshm.restore(self.restorer.cri, os.path.join(tmp, "staging"), pod_id, where)
-            os.replace(tmp, st.dir)
-            st.save()
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(st.dir, ignore_errors=True)
-            await asyncio.shield(undo_restore(self.checkpointer.cri, {"sandboxes": [pod_id]}, self.settings.timeouts.cleanup))
-            await abort_with(context, _for_pod(exc, where, ref))
-        self.restores[pod_id] = st
-        log.info("pod %s: sandbox %s made to restore checkpoint %s", where, pod_id[:13], record.id,
-                 extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
-        return resp_raw
-
-    async def _resolve_checkpoint(self, ref: str, where: str) -> CheckpointRecord:
-        if _DIGEST_RE.match(ref):
-            try:
-                return await asyncio.to_thread(self.store.get, ref)
-            except errors.NotFound as exc:
-                raise errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store") from exc
-        from node_agent.registry import Credentials, pull
-
-        report = await asyncio.to_thread(lambda: pull(self.store, ref, Credentials(), settings=self.settings.registry))
-        return await asyncio.to_thread(self.store.get, report.checkpoint_id)
-
-    async def create_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = cri.CreateContainerRequest.FromString(raw)
-        st = self.restores.get(req.pod_sandbox_id)
-        name = req.config.metadata.name
-        if st is None or name not in st.pending:
-            return await self._forward_create(raw, context)
-        async with st.lock:
-            if name not in st.pending:
-                return await self._forward_create(raw, context)
-            # The kubelet's request, with the plan's mark appended (map
-            # entries of a later occurrence are merged in when protobuf parses).
-            nonce = secrets.token_hex(16)
-            mark = cri.CreateContainerRequest(config=cri.ContainerConfig(annotations={PLAN_ANNOTATION: nonce}))
-            resp_raw = await self._forward_create(raw + mark.SerializeToString(), context)
-            cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
-            plan_dir = os.path.join(self.settings.plans_dir, cid)
-            try:
-                record = await asyncio.to_thread(self.store.get, st.checkpoint)
-                await asyncio.to_thread(
-                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options,
-                    nonce=nonce, mounts=to_json(req.config).get("mounts"),
-                )
-                st.pending.remove(name)
-                st.save()
-                if not st.pending:
-                    shutil.rmtree(st.staging, ignore_errors=True)
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-                shutil.rmtree(plan_dir, ignore_errors=True)
-                try:
-                    await self.checkpointer.cri.remove_container(cid)
-                except errors.AgentError as rm_exc:
-                    log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
-                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
-        log.info("pod %s: container %s (%s) will restore from checkpoint %s", st.pod, name, cid[:13], st.checkpoint,
-                 extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
-        return resp_raw
-
     async def start_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """StartContainer, forwarded; for a container with a restore plan, then verified as restored."""
         cid = cri.StartContainerRequest.FromString(raw).container_id
-        plan_dir = os.path.join(self.settings.plans_dir, cid) if _valid_id(cid) else ""
+        plan_dir = os.path.join(self.settings.plans_dir, cid) if valid_id(cid) else ""
         nonce = handler.plan_nonce(plan_dir) if plan_dir else None
         resp = await self._forward_start(raw, context)
         if nonce is None:
@@ -497,24 +324,6 @@ class CriEndpoint:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             await abort_with(context, exc)
         return resp
-
-    async def remove_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        resp = await self._forward_remove(raw, context)
-        st = self.restores.pop(cri.RemovePodSandboxRequest.FromString(raw).pod_sandbox_id, None)
-        if st is not None:
-            shutil.rmtree(st.dir, ignore_errors=True)
-        return resp
-
-
-def _valid_id(cid: str) -> bool:
-    return 0 < len(cid) <= 128 and all(c.isalnum() or c in "-_." for c in cid) and not cid.startswith(".")
-
-
-def _for_pod(exc: BaseException, where: str, ref: str) -> BaseException:
-    """An error that says which pod and checkpoint, for the pod's events."""
-    if isinstance(exc, errors.AgentError):
-        return type(exc)(f"restore of pod {where} from {ref}: {exc}")
-    return exc
 
 
 class CriListener:
@@ -543,7 +352,7 @@ class CriListener:
         await add_operability(self.server, ("runtime.v1.RuntimeService", "runtime.v1.ImageService"))
         await self.server.start()
         os.chmod(self.path, 0o660)
-        await self.endpoint.prune()
+        await self.endpoint.pods.prune()
         log.info("serving the CRI on unix://%s, forwarding to %s", self.path, self.endpoint.settings.cri_endpoint)
 
     async def stop(self, grace: float) -> None:

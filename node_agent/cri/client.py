@@ -28,6 +28,10 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.AgentError]] = {
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.CANCELLED: errors.Cancelled,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.ABORTED: errors.Aborted,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from node_agent.errors import InvalidArgument
@@ -143,3 +144,21 @@ class Reference:
 def parse_reference(text: str | Reference) -> Reference:
     """A Reference from text, or the Reference itself."""
     return text if isinstance(text, Reference) else Reference.parse(text)
+
+
+def listed(reference: str | Reference, entries: Iterable[str]) -> bool:
+    """Whether `reference` lies in one of `entries`: a registry (``host[:port]``) or a repository
+    (``host[:port]/path``, which takes that repository and those below it).
+
+    Registry names compare without case, repository paths exactly; an entry
+    that is not a registry or repository name matches nothing.
+    """
+    ref = parse_reference(reference)
+    for entry in entries:
+        host, _, path = entry.strip().partition("/")
+        if host.lower() != ref.registry.lower():
+            continue
+        path = path.strip("/")
+        if not path or ref.repository == path or ref.repository.startswith(path + "/"):
+            return True
+    return False

@@ -126,19 +126,31 @@ class Bed:
 
 
 @contextlib.contextmanager
-def reconfigured(bed: Bed, extra: str) -> Iterator[Bed]:
+def reconfigured(bed: Bed, extra: str, *, trust: str = "") -> Iterator[Bed]:
     """The bed's agent restarted with `extra` (YAML keys the config does not have yet) appended to its
-    config; afterwards restarted with the config as it was."""
+    config; afterwards restarted with the config as it was.
+
+    `trust`: a CA bundle the node trusts meanwhile, as a node whose trust store holds it (OpenSSL's
+    SSL_CERT_FILE, read by the agent's default TLS context).
+    """
     config = Path(bed.config)
     original = config.read_text()
+    before = os.environ.get("SSL_CERT_FILE")
     bed.stop_agent()
     config.write_text(original + extra)
     try:
+        if trust:
+            os.environ["SSL_CERT_FILE"] = trust
         bed.start_agent()
         yield bed
     finally:
         bed.stop_agent()
         config.write_text(original)
+        if trust:
+            if before is None:
+                os.environ.pop("SSL_CERT_FILE", None)
+            else:
+                os.environ["SSL_CERT_FILE"] = before
         bed.start_agent()
 
 

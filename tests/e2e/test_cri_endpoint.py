@@ -373,8 +373,17 @@ def test_a_pod_annotated_restore_from_comes_up_restored(agent: Bed) -> None:
         at_checkpoint = max(ticks(log))
 
         # A kubelet creates the pod: RunPodSandbox, CreateContainer, StartContainer, all through the endpoint.
-        # The agent restarts between the sandbox and its container: the mapping survives.
-        new = pod_via_agent(agent, "e2e-cri-kubelet", [], annotations={RESTORE_FROM: ckpt})
+        # The agent restarts between the sandbox and its container: the mapping survives. Into another
+        # namespace than the checkpoint's, as the node's config lets it (restore.pod-sources).
+        agent.stop_agent()
+        config = Path(agent.config)
+        original = config.read_text()
+        config.write_text(original + "restore:\n  pod-sources:\n    e2e-cri-kubelet: [e2e-cri]\n")
+        agent.start_agent()
+        try:
+            new = pod_via_agent(agent, "e2e-cri-kubelet", [], annotations={RESTORE_FROM: ckpt})
+        finally:
+            config.write_text(original)
         pd = via_agent(agent, lambda c: c.pod_status(new.id))
         assert pd.pod.runtime_handler == agent.handler
         agent.stop_agent()

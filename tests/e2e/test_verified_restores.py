@@ -23,7 +23,7 @@ from node_agent.cri.client import _parse
 from node_agent.store import Store
 from tests.e2e.bed import (
     Bed, container_config, container_detail, counter_pod, lazy_helpers, make_pod, pod_config, pods_in, remove_pod,
-    start_refusal, ticks, volume_dir, wait_for,
+    reconfigured, start_refusal, ticks, volume_dir, wait_for,
 )
 from tests.e2e.test_cri_endpoint import RESTORE_FROM, RT, checkpoint_pod, pod_via_agent, raw_call, shell
 
@@ -91,7 +91,8 @@ def test_a_handler_serving_another_store_fails_restore_pod(misbed: Bed, mischeck
 
 def test_a_handler_serving_another_store_fails_the_pod_annotation_restore(misbed: Bed, mischeckpoint: Any) -> None:
     _pod, ckpt = mischeckpoint
-    with pytest.raises(errors.FailedPrecondition) as e:
+    with reconfigured(misbed, "restore:\n  pod-sources:\n    e2e-mis-kubelet: [e2e-mis]\n"), \
+            pytest.raises(errors.FailedPrecondition) as e:
         pod_via_agent(misbed, "e2e-mis-kubelet", [], annotations={RESTORE_FROM: ckpt})
     assert "restore of pod e2e-mis-kubelet/" in str(e.value) and ckpt in str(e.value)
     _handler_refusal(str(e.value), misbed)

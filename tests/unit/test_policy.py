@@ -67,7 +67,9 @@ def test_unknown_actions_and_bad_rules_are_refused() -> None:
 FULL: dict[str, Any] = {
     "namespaces": {"*": {"restore": False}, "kube-system": {"checkpoint": False}, "staging": {"restore": True}},
     "restore": {"require-signature": True, "allow-foreign": False,
-                "trusted-keys": {"*": ["/etc/node-agent/ci.pub.pem"], "prod": ["ed25519:" + "A" * 43 + "="]}},
+                "trusted-keys": {"*": ["/etc/node-agent/ci.pub.pem"], "prod": ["ed25519:" + "A" * 43 + "="]},
+                "pod-sources": {"prod": ["staging"]}, "pod-registries": ["registry.example:5000/ckpt"],
+                "pod-host-access-namespaces": ["gpu-ops"]},
     "signing": {"key-file": "/etc/node-agent/signing.pem"},
     "encryption": {"key-sources": [{"file": "/etc/node-agent/keyring.yaml"},
                                    {"exec": ["/usr/bin/kms-plugin", "--token", "s3cr3t-token"]}],
@@ -84,6 +86,9 @@ def test_the_description_lists_every_rule_and_no_secret() -> None:
         "restore.require-signature: true",
         'restore.trusted-keys["*"]: /etc/node-agent/ci.pub.pem',
         'restore.trusted-keys["prod"]: ed25519:' + "A" * 43 + "=",
+        "restore.pod-sources (restore-from across namespaces): into prod: from staging",
+        "restore.pod-registries: registry.example:5000/ckpt",
+        "restore.pod-host-access-namespaces: gpu-ops",
         "restore.allow-foreign: false (checkpoints imported from CRI-O, Podman or containerd archives are not restored)",
         "signing.key-file: /etc/node-agent/signing.pem (new checkpoints are signed)",
         "encryption.key-sources: file /etc/node-agent/keyring.yaml; exec /usr/bin/kms-plugin (2 argument(s))",
@@ -93,7 +98,11 @@ def test_the_description_lists_every_rule_and_no_secret() -> None:
     plain = policy.describe(Settings())
     assert plain[0] == ('namespaces["*"] (every namespace without its own rule): checkpoint allowed (nothing set), '
                         'restore allowed (nothing set)')
-    assert "restore.allow-foreign: false" in plain[3] and plain[4].startswith("signing.key-file: none")
+    assert plain[3] == "restore.pod-sources (restore-from across namespaces): none (a Pod restores only " \
+        "checkpoints of its own namespace)"
+    assert plain[4] == "restore.pod-registries: none (registry references in restore-from are refused)"
+    assert plain[5] == "restore.pod-host-access-namespaces: none"
+    assert "restore.allow-foreign: false" in plain[6] and plain[7].startswith("signing.key-file: none")
     assert "restore.allow-foreign: true" in policy.describe(settings(restore={"allow-foreign": True}))
 
 
@@ -121,3 +130,28 @@ def test_doctor_deployment_prints_the_effective_policy_from_its_config(
     # Without --deployment: the checks only.
     assert main.main(["doctor", "--config", str(config)]) == 0
     assert capsys.readouterr().out.splitlines() == ["OK   cri: stubbed"]
+
+
+def test_a_pod_restores_from_its_own_namespace_and_those_pod_sources_lets_in() -> None:
+    s = settings(restore={"pod-sources": {"prod": ["staging", "canary"], "*": ["shared"]}})
+    assert policy.pod_may_restore_from(s, "prod", "prod")
+    assert policy.pod_may_restore_from(s, "staging", "prod") and policy.pod_may_restore_from(s, "canary", "prod")
+    assert policy.pod_may_restore_from(s, "shared", "team-x")  # "*": into every namespace
+    assert not policy.pod_may_restore_from(s, "tenant-b", "prod")
+    assert not policy.pod_may_restore_from(s, "staging", "team-x")
+    assert not policy.pod_may_restore_from(Settings(), "tenant-b", "tenant-a")
+    anything = settings(restore={"pod-sources": {"ops": ["*"]}})
+    assert policy.pod_may_restore_from(anything, "tenant-b", "ops") and not policy.pod_may_restore_from(
+        anything, "ops", "tenant-b")
+
+
+def test_host_access_by_annotation_only_where_the_node_says() -> None:
+    with pytest.raises(errors.PermissionDenied) as e:
+        policy.require_pod_host_access(Settings(), "tenant-a", "tenant-a/p")
+    assert str(e.value) == ("restore as pod tenant-a/p: the Pod's annotation allows host access, which this node "
+                            "honours only in namespaces listed in restore.pod-host-access-namespaces (none)")
+    s = settings(restore={"pod-host-access-namespaces": ["gpu-ops"]})
+    policy.require_pod_host_access(s, "gpu-ops", "gpu-ops/p")
+    with pytest.raises(errors.PermissionDenied, match=r"\(gpu-ops\)$"):
+        policy.require_pod_host_access(s, "tenant-a", "tenant-a/p")
+    policy.require_pod_host_access(settings(restore={"pod-host-access-namespaces": ["*"]}), "any", "any/p")

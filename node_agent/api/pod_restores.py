@@ -1,0 +1,359 @@
+"""Restore through a Pod: the kubelet's own calls restore a Pod annotated `restore-from`.
+
+`RunPodSandbox` of a Pod annotated `checkpoint.node-agent.io/restore-from`
+finds the checkpoint (pulling a registry reference), admits it, verifies its
+files into a staging directory and forwards the kubelet's request with the
+restore handler; `CreateContainer` of each checkpointed container appends
+the plan's mark and writes its restore plan; the kubelet's StartContainer
+then resumes the checkpointed process (the CRI endpoint verifies it).
+`RemoveContainer` and `RemovePodSandbox` take the plans and the state along.
+
+Rule: the annotations are whoever may create Pods', never trusted. The
+checkpoint must be of the Pod's own namespace (its key domain too), or of
+one `restore.pod-sources` lets in, and any other gets the answer of one
+that does not exist; registry references only from `restore.pod-registries`,
+admitted before they are published; host access by annotation only in
+`restore.pod-host-access-namespaces`. The per-sandbox state survives an agent
+restart; its plaintext staging lives at most `timeouts.pod-staging`.
+See docs/cri-endpoint.md and docs/security.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from criu_bridge.wrapper import PLAN_ANNOTATION
+from node_agent import devshm, errors, handler, policy, restoring
+from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
+from node_agent.api.agent import abort_with
+from node_agent.api.cri_proxy import CriProxy
+from node_agent.checkpointing import Checkpointer
+from node_agent.cri.client import to_json
+from node_agent.options import boolean
+from node_agent.podformat import SavedPod, check_host_access, load_saved, namespace_of
+from node_agent.restoring import Restorer, undo_restore
+from node_agent.store import CheckpointRecord, Store
+
+log = logging.getLogger(__name__)
+
+RT = "/runtime.v1.RuntimeService/"
+RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
+# On a Pod restored through its annotation: let the checkpoint's configs reach
+# into the host (`true` or `false`; docs/cri-endpoint.md).
+ALLOW_HOST_ACCESS = "checkpoint.node-agent.io/allow-host-access"
+STATE_DIR = "cri-restores"
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass
+class _PodRestore:
+    sandbox_id: str
+    checkpoint: str
+    pod: str  # namespace/name
+    options: tuple[str, ...]
+    pending: list[str]  # checkpointed containers not created yet
+    dir: str
+    staged_at: float = 0.0  # when `staging` was filled (time.time()); its plaintext expires
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def staging(self) -> str:
+        return os.path.join(self.dir, "staging")
+
+    def save(self) -> None:
+        doc = {"sandbox_id": self.sandbox_id, "checkpoint": self.checkpoint, "pod": self.pod,
+               "options": list(self.options), "pending": self.pending, "staged_at": self.staged_at}
+        path = os.path.join(self.dir, "state.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, d: str) -> _PodRestore:
+        with open(os.path.join(d, "state.json"), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        staged_at = doc.get("staged_at")
+        return cls(str(doc["sandbox_id"]), str(doc["checkpoint"]), str(doc["pod"]),
+                   tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d,
+                   float(staged_at) if isinstance(staged_at, (int, float)) and not isinstance(staged_at, bool) else 0.0)
+
+class PodRestores:
+    """The Pods being restored through their annotations, by sandbox ID, and the CRI calls that make them."""
+
+    def __init__(self, checkpointer: Checkpointer, restorer: Restorer, store: Store, proxy: CriProxy) -> None:
+        self.settings = checkpointer.settings
+        self.checkpointer = checkpointer
+        self.restorer = restorer
+        self.store = store
+        self._forward_run = proxy.unary_forwarder(RT + "RunPodSandbox")
+        self._forward_create = proxy.unary_forwarder(RT + "CreateContainer")
+        self._forward_remove = proxy.unary_forwarder(RT + "RemovePodSandbox")
+        self._forward_remove_container = proxy.unary_forwarder(RT + "RemoveContainer")
+        self.state_root = os.path.join(self.settings.store, STATE_DIR)
+        self.restores: dict[str, _PodRestore] = {}
+        self._load_state()
+
+    def _load_state(self) -> None:
+        os.makedirs(self.state_root, mode=0o700, exist_ok=True)
+        for name in os.listdir(self.state_root):
+            d = os.path.join(self.state_root, name)
+            try:
+                st = _PodRestore.load(d)
+            except (OSError, ValueError, KeyError, TypeError):
+                shutil.rmtree(d, ignore_errors=True)  # a sandbox that never finished being made
+                continue
+            self.restores[st.sandbox_id] = st
+
+    async def prune(self) -> None:
+        """Forget restores whose sandbox is gone (removed while the agent was down, or not through it)."""
+        if not self.restores:
+            return
+        try:
+            alive = {p.id for p in await self.checkpointer.cri.list_pods()}
+        except errors.AgentError as exc:
+            log.warning("cannot list sandboxes to prune pending restores: %s", exc)
+            return
+        for pod_id in [i for i in self.restores if i not in alive]:
+            shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
+
+    async def sweep(self, now: float | None = None) -> None:
+        """Forget restores whose sandbox is gone; drop staging older than `timeouts.pod-staging`.
+
+        Staging holds verified plaintext for containers the kubelet has not
+        created yet (a Pod may lack one of the checkpoint's containers for
+        good); CreateContainer reads it again from the store if it comes later.
+        """
+        await self.prune()
+        limit = self.settings.timeouts.pod_staging
+        now = time.time() if now is None else now
+        for st in list(self.restores.values()):
+            if now - st.staged_at <= limit or not os.path.isdir(st.staging):
+                continue
+            async with st.lock:
+                if os.path.isdir(st.staging) and now - st.staged_at > limit:
+                    await asyncio.to_thread(shutil.rmtree, st.staging, True)
+                    log.info("pod %s: verified files of containers %s dropped after %gs (timeouts.pod-staging)",
+                             st.pod, ", ".join(st.pending) or "(none)", limit,
+                             extra={"pod": st.pod, "checkpoint": st.checkpoint, "phase": "staging"})
+
+    async def run_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = cri.RunPodSandboxRequest.FromString(raw)
+        ref = req.config.annotations.get(RESTORE_FROM, "")
+        if not ref:
+            return await self._forward_run(raw, context)
+        meta = req.config.metadata
+        where = f"{meta.namespace}/{meta.name}"
+        tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
+        try:
+            # The annotations are whoever may create Pods': held to the node's rules for them.
+            allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
+            if allow:
+                policy.require_pod_host_access(self.settings, meta.namespace, where)
+            # A namespace the policy refuses pulls nothing (the admission below asks again).
+            policy.require(self.settings, "restore", meta.namespace, where)
+            record, saved = await self._resolve_checkpoint(ref.strip(), meta.namespace, where, allow)
+            await self.restorer.admit(record, saved, meta.namespace, where)
+            check_host_access(record.id, saved, self.settings, allowed=allow)
+            await self.restorer.preflight(record, saved)
+            await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
+            os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
+            await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            shutil.rmtree(tmp, ignore_errors=True)
+            await abort_with(context, _for_pod(exc, where, ref))
+            raise  # not reached
+        # The kubelet's request, byte for byte, with the restore handler appended
+        # (a later occurrence of a scalar field wins when protobuf parses).
+        override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
+        try:
+            resp_raw = await self._forward_run(raw + override, context)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
+        st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
+                         os.path.join(self.state_root, pod_id), time.time())
+        try:
+            await devshm.restore(self.restorer.cri, os.path.join(tmp, "staging"), pod_id, where)
+            os.replace(tmp, st.dir)
+            st.save()
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(st.dir, ignore_errors=True)
+            await asyncio.shield(undo_restore(self.checkpointer.cri, {"sandboxes": [pod_id]}, self.settings.timeouts.cleanup))
+            await abort_with(context, _for_pod(exc, where, ref))
+        self.restores[pod_id] = st
+        log.info("pod %s: sandbox %s made to restore checkpoint %s", where, pod_id[:13], record.id,
+                 extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
+        return resp_raw
+
+    async def _resolve_checkpoint(self, ref: str, namespace: str, where: str,
+                                  allow: bool) -> tuple[CheckpointRecord, SavedPod]:
+        """The checkpoint a Pod in `namespace` names: one of its own namespace, or one `restore.pod-sources` lets in.
+
+        A store ID of any other checkpoint gets the answer of one that does
+        not exist. A registry reference must lie in `restore.pod-registries`;
+        what it pulls is admitted before it is published (the namespace
+        rule, the restore policy, signatures, host access), so a refused
+        pull leaves nothing in the store.
+        """
+        if _DIGEST_RE.match(ref):
+            missing = errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store")
+            try:
+                record = await asyncio.to_thread(
+                    self.store.get, ref,
+                    within=lambda rec: policy.pod_may_restore_from(self.settings, namespace_of(rec), namespace))
+            except errors.NotFound as exc:
+                raise missing from exc
+            saved = await asyncio.to_thread(load_saved, self.store, record)
+            if self._outside(record, saved, namespace):
+                raise missing
+            return record, saved
+        from node_agent.registry import Admission, Credentials, pull
+        from node_agent.registry.reference import listed
+
+        allowed = self.settings.restore.pod_registries
+        if not listed(ref, allowed):
+            raise errors.PermissionDenied(
+                f"restore as pod {where}: {ref} is not in a registry or repository this node lets Pods restore "
+                f"from (restore.pod-registries: {', '.join(allowed) or 'none'})")
+
+        def admit(pulled: Admission[CheckpointRecord]) -> None:
+            got = load_saved(self.store, pulled.record)
+            outside = self._outside(pulled.record, got, namespace)
+            if outside:
+                raise errors.PermissionDenied(
+                    f"restore as pod {where}: checkpoint {pulled.record.id} from {ref} {outside}; a Pod restores "
+                    "only checkpoints of its own namespace, or of those restore.pod-sources lets in")
+            restoring.admit(self.settings, pulled, pulled.record, got, namespace, where)
+            check_host_access(pulled.record.id, got, self.settings, allowed=allow)
+
+        report = await asyncio.to_thread(lambda: pull(
+            self.store, ref, Credentials(), settings=self.settings.registry,
+            min_free_bytes=self.settings.min_free_bytes, admit=admit))
+        record = await asyncio.to_thread(self.store.get, report.checkpoint_id)
+        saved = await asyncio.to_thread(load_saved, self.store, record)
+        outside = self._outside(record, saved, namespace)
+        if outside:  # already in the store before this pull, so not admitted by it
+            raise errors.PermissionDenied(f"restore as pod {where}: checkpoint {record.id} from {ref} {outside}")
+        return record, saved
+
+    def _outside(self, record: CheckpointRecord, saved: SavedPod, target: str) -> str:
+        """Why a Pod in `target` may not restore this checkpoint ("" when it may).
+
+        Its namespace, as its metadata and its saved pod config say, must be
+        `target`, or one `restore.pod-sources` lets into `target`; a sealed
+        checkpoint of `target` itself must be sealed in `target`'s key domain.
+        """
+        given = (saved.pod_config.get("metadata") or {}).get("namespace") or saved.namespace
+        for source in dict.fromkeys((saved.namespace, str(given))):
+            if source != target:
+                if not policy.pod_may_restore_from(self.settings, source, target):
+                    return f"is of namespace {source}"
+                continue
+            if record.key_id:
+                keys = self.checkpointer.keys
+                key = keys.key(record.key_id) if keys is not None else None
+                if key is None or keys is None or key.domain != keys.domain_of(target):
+                    return f"is sealed under key {record.key_id}, not in namespace {target}'s key domain"
+        return ""
+
+    async def create_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = cri.CreateContainerRequest.FromString(raw)
+        st = self.restores.get(req.pod_sandbox_id)
+        name = req.config.metadata.name
+        if st is None or name not in st.pending:
+            return await self._forward_create(raw, context)
+        async with st.lock:
+            if name not in st.pending:
+                return await self._forward_create(raw, context)
+            try:
+                record = await asyncio.to_thread(self.store.get, st.checkpoint)
+                if not os.path.isdir(st.staging):  # dropped after timeouts.pod-staging: read and verified again
+                    os.makedirs(st.staging, mode=0o700)
+                    await asyncio.to_thread(self.restorer.unpack, record, st.staging)
+                    st.staged_at = time.time()
+                    st.save()
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+                shutil.rmtree(st.staging, ignore_errors=True)
+                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+            # The kubelet's request, with the plan's mark appended (map
+            # entries of a later occurrence are merged in when protobuf parses).
+            nonce = secrets.token_hex(16)
+            mark = cri.CreateContainerRequest(config=cri.ContainerConfig(annotations={PLAN_ANNOTATION: nonce}))
+            resp_raw = await self._forward_create(raw + mark.SerializeToString(), context)
+            cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
+            plan_dir = os.path.join(self.settings.plans_dir, cid)
+            try:
+                await asyncio.to_thread(
+                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options,
+                    nonce=nonce, mounts=to_json(req.config).get("mounts"),
+                )
+                st.pending.remove(name)
+                st.save()
+                if not st.pending:
+                    shutil.rmtree(st.staging, ignore_errors=True)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+                shutil.rmtree(plan_dir, ignore_errors=True)
+                try:
+                    await self.checkpointer.cri.remove_container(cid)
+                except errors.AgentError as rm_exc:
+                    log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
+                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+        log.info("pod %s: container %s (%s) will restore from checkpoint %s", st.pod, name, cid[:13], st.checkpoint,
+                 extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
+        return resp_raw
+
+    async def remove_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """RemovePodSandbox, forwarded; then the restore plans of its containers and its restore state go.
+
+        A container created and never started has no task, so runc (and the
+        wrapper, which removes a plan on `delete`) never hears of its removal.
+        """
+        pod_id = cri.RemovePodSandboxRequest.FromString(raw).pod_sandbox_id
+        try:
+            ids = [c.id for c in await self.checkpointer.cri.list_containers(pod_id)] if pod_id else []
+        except errors.AgentError as exc:
+            log.warning("cannot list the containers of sandbox %s before it is removed: %s (the periodic sweep "
+                        "removes their restore plans)", pod_id[:13], exc)
+            ids = []
+        resp = await self._forward_remove(raw, context)
+        for cid in ids:
+            self._drop_plan(cid)
+        st = self.restores.pop(pod_id, None)
+        if st is not None:
+            shutil.rmtree(st.dir, ignore_errors=True)
+        return resp
+
+    async def remove_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """RemoveContainer, forwarded; then the container's restore plan goes."""
+        resp = await self._forward_remove_container(raw, context)
+        self._drop_plan(cri.RemoveContainerRequest.FromString(raw).container_id)
+        return resp
+
+    def _drop_plan(self, container_id: str) -> None:
+        if valid_id(container_id):
+            shutil.rmtree(os.path.join(self.settings.plans_dir, container_id), ignore_errors=True)
+
+
+def valid_id(cid: str) -> bool:
+    return 0 < len(cid) <= 128 and all(c.isalnum() or c in "-_." for c in cid) and not cid.startswith(".")
+
+
+def _for_pod(exc: BaseException, where: str, ref: str) -> BaseException:
+    """An error that says which pod and checkpoint, for the pod's events."""
+    if isinstance(exc, errors.AgentError):
+        return type(exc)(f"restore of pod {where} from {ref}: {exc}")
+    return exc

@@ -1,0 +1,118 @@
+"""Plaintext lives only as long as docs/security.md says, on every path a restore can take.
+
+The agent seals a namespace's checkpoints; a Python server holds a secret that exists only in its
+memory. Restore plans and a Pod restore's staging hold that memory in the clear while they are
+needed. After each path the secret is searched for in the whole store (blobs, plans, staging,
+scratch), and found nowhere:
+- restored and started (lazily, the default): the plan's data goes when the pages are in;
+- restored, never started, and its pod removed through containerd itself (not through the agent):
+  the periodic sweep removes the plan (before, the search finds the secret there: it works);
+- a restore that fails at start (a forged checkpoint, refused by the image check): nothing stays;
+- restore through a Pod whose container the kubelet does not create yet: the staging expires after
+  `timeouts.pod-staging` (before, the search finds it there), a later CreateContainer reads the
+  checkpoint again and restores the same process, and RemovePodSandbox takes plan and state along.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node_agent.api.pod_restores import RESTORE_FROM
+from tests.e2e.bed import Bed, make_pod, pod_detail, pods_in, reconfigured, remove_pod, wait_for
+from tests.e2e.test_cri_endpoint import pod_via_agent, via_agent
+from tests.e2e.test_encryption import SECRET, SERVER, _ask, _grep, _ring
+from tests.e2e.test_forged_images import _edit_config, _exported, _imported
+from tests.e2e.test_native_import import CONTAINER, namespaced
+
+NS, DST = "e2e-pt", "e2e-pt-dst"
+
+
+def _found(bed: Bed, under: str = "") -> list[str]:
+    return _grep(Path(bed.store) / under if under else Path(bed.store), SECRET.encode())
+
+
+def _restore(bed: Bed, ckpt: str, *args: str) -> dict[str, Any]:
+    return dict(json.loads(bed.cli("restore", ckpt, "--namespace", DST, "-o", "json", *args).stdout))
+
+
+@pytest.mark.also17
+def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
+    ring = tmp_path / "keyring.json"
+    _ring(ring, [("secteam-1", 1)])
+    sealed = (f"encryption:\n  key-sources:\n    - file: {ring}\n  domains:\n    secteam: [{NS}, {DST}]\n"
+              "retention:\n  plan-sweep-interval: 1\n")
+    image = agent.info["images"]["debian"]
+    app = namespaced("app", image, ["python3", "-c", SERVER], CONTAINER)
+    with reconfigured(agent, sealed):
+        src = make_pod(agent, NS, [app])
+        made: list[str] = []
+        try:
+            before = wait_for(lambda: _ask(pod_detail(agent, src.id).ip), timeout=60, what="the server to answer")
+            ckpt = agent.cli("checkpoint", src.id).stdout.split()[-1]
+            assert _found(agent) == [], "a sealed checkpoint left plaintext in the store"
+
+            # Restored and started, lazily: the plan's pages go once they are in.
+            res = _restore(agent, ckpt, "--start")
+            made.append(res["pod_sandbox_id"])
+            got = wait_for(lambda: _ask(pod_detail(agent, res["pod_sandbox_id"]).ip), timeout=60, what="restored")
+            assert (got["started"], got["memory"]) == (before["started"], before["memory"])
+            wait_for(lambda: _found(agent) == [], timeout=60, what="the plan's plaintext to go")
+            remove_pod(agent, res["pod_sandbox_id"])
+
+            # Never started, its pod removed through containerd itself: the sweep removes the plan.
+            res = _restore(agent, ckpt, "--full")
+            made.append(res["pod_sandbox_id"])
+            assert _found(agent, "plans"), "a full plan holds the memory in the clear: the search works"
+            remove_pod(agent, res["pod_sandbox_id"])
+            wait_for(lambda: _found(agent) == [], timeout=30, what="the sweep to remove the plan")
+
+            # A restore that fails at start: the images are refused, nothing of it stays.
+            tree = _exported(agent, ckpt, "app", tmp_path / "forged", "--plaintext")
+            _edit_config(tree, lambda c: c["linux"]["security_context"].update(run_as_user={"value": 1000}))
+            forged = _imported(agent, tree, DST)
+            cp = agent.cli("restore", forged, "--namespace", DST, "--start", "--full", check=False)
+            assert cp.returncode != 0 and "phase privileges" in cp.stderr, cp.stderr
+            assert pods_in(agent, DST) == [] and _found(agent) == []
+            agent.cli("checkpoints", "rm", forged)
+
+            # Restore through a Pod whose container is not created yet: staging holds it, then expires.
+            pod = pod_via_agent(agent, NS, [], annotations={RESTORE_FROM: ckpt})
+            state = Path(agent.store) / "cri-restores" / pod.id
+            assert _found(agent, f"cri-restores/{pod.id}/staging"), "staging holds the memory: the search works"
+        finally:
+            for pod_id in made:
+                remove_pod(agent, pod_id)
+            remove_pod(agent, src.id)
+    try:
+        with reconfigured(agent, sealed + "timeouts:\n  pod-staging: 1\n"):
+            wait_for(lambda: not (state / "staging").exists(), timeout=30, what="the staging to expire")
+            assert _found(agent) == [] and (state / "state.json").exists()
+            # The kubelet creates the container after all: read and verified again, the same process.
+            os.makedirs(os.path.join(pod.log_dir, "app"), exist_ok=True)
+
+            async def create(client: Any) -> str:
+                config = (await client.pod_status(pod.id)).config
+                cid: str = await client.create_container(pod.id, app, dict(config))
+                await client.start_container(cid)
+                return cid
+
+            cid = via_agent(agent, create)
+            got = wait_for(lambda: _ask(pod_detail(agent, pod.id).ip), timeout=60, what="the Pod's restored server")
+            assert (got["started"], got["memory"]) == (before["started"], before["memory"])
+            assert (Path(agent.store) / "plans" / cid).is_dir()
+
+            async def remove(client: Any) -> None:
+                await client.stop_pod(pod.id)
+                await client.remove_pod(pod.id)
+
+            via_agent(agent, remove)  # the kubelet removes the Pod through the endpoint
+            assert not (Path(agent.store) / "plans" / cid).exists() and not state.exists()
+            wait_for(lambda: _found(agent) == [], timeout=60, what="no plaintext left")
+            agent.cli("checkpoints", "rm", ckpt)
+    finally:
+        remove_pod(agent, pod.id)

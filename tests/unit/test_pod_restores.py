@@ -1,0 +1,138 @@
+"""Restore through a Pod: its annotations are whoever may create Pods', held to the node's rules.
+
+The kubelet's RunPodSandbox reaches the agent's real CRI endpoint over a real socket (the node of
+test_policy_paths: a real store, a fake containerd behind it). A checkpoint of another namespace is
+not found, exactly as a missing one; `restore.pod-sources` lets one in; registry references only from
+`restore.pod-registries`; host access by annotation only in `restore.pod-host-access-namespaces`; a
+sealed checkpoint of the Pod's own namespace only from that namespace's key domain.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from node_agent import config
+from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
+from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
+from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, PodRestores
+from node_agent.keys import Keys
+from node_agent.podformat import load_saved
+from node_agent.registry.reference import listed
+from node_agent.store import Store
+from test_interop import make_checkpoint
+from test_policy_paths import Node, Pki, _status  # noqa: F401 - the node harness and its fixtures
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path / "ca")
+
+
+def _run(namespace: str, ref: str, **more: str) -> Any:
+    return cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(
+        metadata=cri.PodSandboxMetadata(name="web2", namespace=namespace, uid="u9"),
+        annotations={RESTORE_FROM: ref, **more}))
+
+
+async def _ask(node: Node, request: Any) -> tuple[grpc.StatusCode, str]:
+    async with node.kubelet() as ch:
+        stub = cri_grpc.RuntimeServiceStub(ch)  # type: ignore[no-untyped-call]
+        return await _status(stub.RunPodSandbox(request, timeout=30))
+
+
+@pytest.fixture
+async def node(tmp_path: Path, pki: Pki) -> AsyncIterator[Node]:
+    async with Node(tmp_path, pki) as n:
+        yield n
+
+
+async def test_a_checkpoint_of_another_namespace_is_answered_as_a_missing_one(node: Node) -> None:
+    ckpt = node.native.id  # pod team/web
+    missing = "sha256:" + "ab" * 32
+    code, details = await _ask(node, _run("prod", ckpt))
+    code2, details2 = await _ask(node, _run("prod", missing))
+    assert (code, code2) == (grpc.StatusCode.FAILED_PRECONDITION,) * 2
+    assert details == f"restore of pod prod/web2 from {ckpt}: checkpoint {ckpt} is not in this node's store"
+    assert details2 == details.replace(ckpt, missing)
+    node.assert_nothing_made()
+
+
+async def test_pod_sources_lets_a_named_namespace_in(tmp_path: Path, pki: Pki) -> None:
+    async with Node(tmp_path, pki, restore={"pod-sources": {"prod": ["team"]}}) as node:
+        code, details = await _ask(node, _run("prod", node.native.id))
+    # Admitted: it got as far as its preflight (the fake node has no images).
+    assert code == grpc.StatusCode.UNAVAILABLE and "image_present" in details, (code, details)
+
+
+async def test_registry_references_only_from_the_listed_registries(node: Node) -> None:
+    code, details = await _ask(node, _run("prod", "127.0.0.1:1/team/ckpt:v1"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert details.endswith("127.0.0.1:1/team/ckpt:v1 is not in a registry or repository this node lets Pods "
+                            "restore from (restore.pod-registries: none)"), details
+    node.assert_nothing_made()
+
+
+async def test_host_access_by_annotation_only_where_the_node_says(node: Node) -> None:
+    code, details = await _ask(node, _run("team", node.native.id, **{ALLOW_HOST_ACCESS: "true"}))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert details.endswith("the Pod's annotation allows host access, which this node honours only in namespaces "
+                            "listed in restore.pod-host-access-namespaces (none)"), details
+    node.assert_nothing_made()
+    # "false" asks for nothing: the restore goes on to its preflight.
+    code, details = await _ask(node, _run("team", node.native.id, **{ALLOW_HOST_ACCESS: "false"}))
+    assert code == grpc.StatusCode.UNAVAILABLE and "image_present" in details, (code, details)
+
+
+def _sealed_node(tmp_path: Path, domains: dict[str, list[str]]) -> tuple[PodRestores, Store, Keys]:
+    ring = tmp_path / "keyring.json"
+    ring.write_text(json.dumps({"domains": {
+        name: [{"id": f"{name}-1", "key": base64.b64encode(bytes([i + 1]) * 32).decode()}]
+        for i, name in enumerate(["tenant-a", "tenant-b"])}}))
+    s = config.from_mapping({"store": str(tmp_path / "store"),
+                             "encryption": {"key-sources": [{"file": str(ring)}], "domains": domains}})
+    keys = Keys(s.encryption)
+    store = Store(s.store, keys=keys)
+    pods = PodRestores.__new__(PodRestores)
+    pods.settings, pods.checkpointer = s, SimpleNamespace(keys=keys)  # type: ignore[assignment]
+    return pods, store, keys
+
+
+def test_a_sealed_checkpoint_must_come_from_the_namespaces_own_key_domain(tmp_path: Path) -> None:
+    pods, store, keys = _sealed_node(tmp_path, {"tenant-a": ["team"], "tenant-b": ["other"]})
+    own = keys.seal_key("team")
+    other = keys.seal_key("other")
+    assert own is not None and other is not None and own.domain != other.domain
+    make = store.writer
+
+    def sealed(key: Any) -> Any:
+        store.writer = lambda **kw: make(**{**kw, "seal": key})  # type: ignore[method-assign]
+        try:
+            rec, _ = make_checkpoint(store)  # pod team/web
+        finally:
+            store.writer = make  # type: ignore[method-assign]
+        return rec
+
+    good, forged = sealed(own), sealed(other)
+    assert pods._outside(good, load_saved(store, good), "team") == ""
+    assert pods._outside(forged, load_saved(store, forged), "team") == \
+        "is sealed under key tenant-b-1, not in namespace team's key domain"
+    assert pods._outside(good, load_saved(store, good), "prod") == "is of namespace team"
+
+
+def test_a_registry_reference_is_listed_by_registry_or_repository() -> None:
+    allowed = ["registry.example:5000", "ghcr.example/team-a/ckpt"]
+    assert listed("registry.example:5000/anything/x:v1", allowed)
+    assert listed("REGISTRY.example:5000/x@sha256:" + "a" * 64, allowed)
+    assert listed("ghcr.example/team-a/ckpt:v1", allowed) and listed("ghcr.example/team-a/ckpt/sub:v1", allowed)
+    assert not listed("ghcr.example/team-a/ckpt2:v1", allowed)
+    assert not listed("ghcr.example/team-b/ckpt:v1", allowed)
+    assert not listed("registry.example:5001/x:v1", allowed) and not listed("registry.example/x:v1", allowed)
+    assert not listed("registry.example:5000/x:v1", [])
