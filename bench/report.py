@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import textwrap
 import math
 import os
 import platform
@@ -1117,9 +1118,11 @@ def _loadavg(la: dict[str, Any] | None, cores: int | None) -> str:
     return f"{fmt(la['start'])} at the start, {fmt(la['end'])} at the end{full}"
 
 
-def markdown(merged: dict[str, Any], encryption: dict[str, Any] | None = None) -> str:
+def markdown(merged: dict[str, Any], encryption: dict[str, Any] | None = None,
+             image_check: dict[str, Any] | None = None) -> str:
     """docs/benchmarks.md from a results file: every containerd version it holds, newest first; with
-    `encryption` (bench/encryption.py's results), its section after them."""
+    `encryption` (bench/encryption.py's results) and `image_check` (bench/image_check.py's), their
+    sections after them."""
     order = series_order(merged)
     docs = [merged["runs"][k] for k in order]
     parts = [
@@ -1188,9 +1191,64 @@ def markdown(merged: dict[str, Any], encryption: dict[str, Any] | None = None) -
             parts.append(f"\nTime to first answer: not measured ({d['summary']['answer_skipped']}).\n")
     if encryption is not None:
         parts.append(encryption_markdown(encryption))
+    if image_check is not None:
+        parts.append(image_check_markdown(image_check))
     parts.append("\n" + READING)
     parts.append("\n" + METHOD)
     return "".join(parts)
+
+
+# ---- the image check (bench/image_check.py) --------------------------------------------
+
+IMAGE_CHECK_JSON = Path(__file__).resolve().parent / "image_check.json"
+
+
+def load_image_check(path: Path | None = None) -> dict[str, Any] | None:
+    """bench/image_check.py's results file, or None where there is none."""
+    try:
+        data = json.loads((path or IMAGE_CHECK_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "summary" in data and "results" in data else None
+
+
+def image_check_markdown(doc: dict[str, Any]) -> str:
+    """The section of docs/benchmarks.md on what the image check costs a restore."""
+    s, m, r = doc["summary"], doc["machine"], doc["results"]
+    rows = []
+    for kind, what in (("memhog", f"memhog, {r['mib']} MiB, 1 task"),
+                       ("tasks", f"busybox shell, {s['tasks']['check_tasks']} tasks")):
+        x = s[kind]
+        rows.append([what, _s(x["on_s"]), _s(x["off_s"]), f"{x['ratio']:.3f}x" if x["ratio"] else "-",
+                     _s(x["first_tick_on_s"]), _s(x["first_tick_off_s"]), f"{x['check_ms']:.1f} ms"])
+    return (
+        f"\n## The image check: restore until running, with and without it ({doc['date'][:10]})\n\n"
+        "Every restore holds the checkpoint's CRIU images to the new container's config before `runc restore`\n"
+        "(docs/security.md, \"What the CRIU images may not grant\"). `bench/image_check.py --write-docs` measures\n"
+        "what that costs: the same checkpoint restored with `restore --start --full` until the container runs,\n"
+        "with the agent's restore wrapper (on) and with the same wrapper whose check passes everything (off),\n"
+        f"alternating which goes first, {r['runs']} runs after {r.get('warmup', 1)} untimed; medians. The last\n"
+        "column is the check alone on that checkpoint's plan (reading the images, holding them to the config),\n"
+        f"median of 20. containerd {m.get('containerd', '?')}, runc {m.get('runc', '?')}.\n\n"
+        + _md_table(["checkpoint", "restore call, on", "off", "on / off", "first tick after the call, on", "off",
+                     "the check alone"], rows)
+        + _image_check_reading(doc)
+    )
+
+
+def _image_check_reading(doc: dict[str, Any]) -> str:
+    """What the figures say: the check's own time against the spread of on / off between runs."""
+    s, samples = doc["summary"], doc["results"]["samples"]
+    out = []
+    for kind, what in (("memhog", "one task"), ("tasks", f"{s['tasks']['check_tasks']} tasks")):
+        per_run = [x[kind]["on"]["wall_s"] / x[kind]["off"]["wall_s"] for x in samples if x[kind]["off"]["wall_s"]]
+        out.append(f"with {what}, the check alone takes {s[kind]['check_ms']:.1f} ms, "
+                   f"{s[kind]['check_ms'] / 10 / max(s[kind]['on_s'], 1e-9):.2f}% of the restore call, while "
+                   f"on / off varies from {min(per_run):.2f}x to {max(per_run):.2f}x between runs")
+    text = ("Reading: " + "; ".join(out) + ". The check's cost is below what an A/B of whole restores can "
+            "resolve on this machine; its time alone is the figure to go by, and it grows with the number of "
+            "tasks and threads (one core image each), not with memory.")
+    return "\n" + textwrap.fill(text, width=104, break_on_hyphens=False) + "\n"
 
 
 # ---- encryption at rest (bench/encryption.py) ------------------------------------------
@@ -1415,14 +1473,16 @@ still spread widely on this VM (the per-run samples are in
 on two cores: before each round the bench waits (at most `--quiet-wait`,
 60 s) until under 0.3 cores are busy, and the machine table says how long
 it waited. What encryption costs by itself is one more sha256 pass over
-every chunk's plaintext (the convergent key derives from it; the clear path
-hashes only the stored bytes), about 0.5 s of CPU per GiB here, and
-AES-256-GCM, under 0.1 s per GiB (`bench/seal_cost.py` times each step).
+every chunk's plaintext (the seal binds that digest; the clear path hashes
+only the stored bytes; a chunk that zstd shrinks also has its smaller
+encoding hashed, since its key derives from the bytes it seals), about
+0.5 s of CPU per GiB here, and AES-256-GCM, under 0.1 s per GiB
+(`bench/seal_cost.py` times each step).
 
 - **Checked from outside.** After every checkpoint, `node-agent checkpoints
   inspect ID -o json` must show the key id for the encrypted variant and
   none for the clear one, and every blob the checkpoint added to the store
-  must begin with the sealed-blob header (`NAS1`) for the encrypted
+  must begin with the sealed-blob header (`NAS2`) for the encrypted
   variant, but for its manifest (a JSON document of digests of sealed
   blobs, never sealed itself); the clear variant must add no sealed blob. Each restored
   model server must answer as the checkpointed process (its start time, pid,

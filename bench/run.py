@@ -1029,7 +1029,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_docs(merged: dict[str, Any]) -> None:
     path = REPO / "docs" / "benchmarks.md"
-    path.write_text(report.markdown(merged, report.load_encryption()))
+    path.write_text(report.markdown(merged, report.load_encryption(), report.load_image_check()))
     log(f"wrote {path} (containerd {', '.join(report.series_order(merged))})")
 
 

@@ -89,6 +89,7 @@ class _PodRestore:
                    tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d,
                    float(staged_at) if isinstance(staged_at, (int, float)) and not isinstance(staged_at, bool) else 0.0)
 
+
 class PodRestores:
     """The Pods being restored through their annotations, by sandbox ID, and the CRI calls that make them."""
 

@@ -160,3 +160,31 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
         ctr = [agent.info["ctr_binary"], "--address", agent.info["containerd_socket"], "-n", "k8s.io"]
         listed_images = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True, check=True).stdout
         assert not set(images) & set(listed_images.split()), listed_images
+
+
+def test_the_image_check_benchmark_runs_both_variants_and_leaves_the_wrapper_as_it_was(agent: Bed,
+                                                                                      tmp_path: Path) -> None:
+    assert agent.agent is not None
+    launcher = Path(agent.store) / "bin" / "node-agent-runc"
+    before = launcher.read_text()
+    out = tmp_path / "image_check.json"
+    cp = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "image_check.py"), "--bed", agent.name, "--attach", agent.config,
+         "--agent-pid", str(agent.agent.pid), "--workdir", str(tmp_path / "work"), "--out", str(out),
+         "--runs", "1", "--warmup", "0", "--mib", "16", "--tasks", "4", "--settle", "0"],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert cp.returncode == 0, f"{cp.stderr[-4000:]}\n{cp.stdout[-2000:]}"
+    doc = json.loads(out.read_text())
+    for kind in ("memhog", "tasks"):
+        s = doc["summary"][kind]
+        for k in ("on_s", "off_s", "ratio", "check_ms"):
+            assert _number(s[k]) and s[k] > 0, (kind, k, s)
+        assert doc["results"]["check_alone"][kind]["findings"] == [], "a genuine checkpoint held to its own config"
+    # The shell and its 4 sleeps, and the ticker's own sleep when the freeze caught one running.
+    assert doc["summary"]["tasks"]["check_tasks"] in (5, 6), doc["summary"]["tasks"]
+    assert "## The image check" in report.image_check_markdown(doc)
+    assert launcher.read_text() == before
+    assert pods_in(agent, "bench") == [] and pods_in(agent, "bench-r") == []
+    assert not (tmp_path / "work").exists()
+    assert agent.agent.poll() is None
