@@ -58,6 +58,7 @@ RLIM_INFINITY = (1 << 64) - 1
 # type (a disk filesystem from a device, FUSE, overlay, debugfs, tracefs,
 # securityfs, binfmt_misc, devtmpfs, ...) is never mounted by a restore.
 FSTYPES = {1: "proc", 2: "sysfs", 5: "tmpfs", 6: "devpts", 12: "cgroup", 14: "mqueue", 23: "cgroup2"}
+TMPFS = 5
 FSTYPE_NAMES = {0: "an unsupported filesystem", 3: "devtmpfs", 4: "binfmt_misc", 7: "simfs", 8: "pstore",
                 9: "securityfs", 10: "fusectl", 11: "debugfs", 13: "aufs", 15: "fuse", 16: "a filesystem by name",
                 17: "overlay", 18: "autofs", 19: "tracefs", **FSTYPES}
@@ -273,8 +274,31 @@ def _where(m: Mount) -> str:
     return f"mount {m.mnt_id} at {m.mountpoint or '?'}"
 
 
-def _fresh_allowed(m: Mount, dest: str, cfg: _Config) -> bool:
-    """May CRIU make this (non-external) mount at `dest` for this container?"""
+def _in_place(m: Mount, mounts: tuple[Mount, ...], ids: set[int]) -> bool:
+    """A bind of part of another mount onto that very part (runc's read-only paths, Podman's and CRI-O's
+    alike): the same superblock as a mount `p` (the container's root, or one of the filesystems a config
+    mounts), at p's mountpoint plus the part of p's tree it shows. The same content at the same place."""
+    for p in mounts:
+        if p.mnt_id == m.mnt_id or p.root_dev != m.root_dev or p.ext_key:
+            continue
+        if p.fstype not in FSTYPES and not (_norm(p.mountpoint) == "/" and p.parent not in ids):
+            continue
+        rel = posixpath.relpath(m.root or "/", p.root or "/")
+        if rel == "." or rel == ".." or rel.startswith("../"):
+            continue
+        if _norm(posixpath.join(p.mountpoint, rel)) == _norm(m.mountpoint):
+            return True
+    return False
+
+
+def _fresh_allowed(m: Mount, dest: str, cfg: _Config, mounts: tuple[Mount, ...], ids: set[int]) -> bool:
+    """May CRIU make this (non-external) mount at `dest` for this container?
+
+    What only takes access away needs no privilege: an empty read-only tmpfs
+    (a masked directory), or a path made read-only in place.
+    """
+    if _readonly(m) and (m.fstype == TMPFS or _in_place(m, mounts, ids)):
+        return True
     kind = FSTYPES.get(m.fstype)
     if kind is None:
         return False
@@ -287,9 +311,7 @@ def _fresh_allowed(m: Mount, dest: str, cfg: _Config) -> bool:
     if kind == "cgroup" and str(_m(cfg.mounts.get(parent)).get("type", "")) == "cgroup":
         return True  # cgroup v1 with a cgroup namespace: one mount per controller under the cgroup mount
     if dest in cfg.masked and kind == "tmpfs":
-        return True  # a masked directory
-    if dest in cfg.readonly or dest in cfg.masked:
-        return m.root not in ("", "/")  # a bind of itself, made read-only (or a masked file's bind)
+        return True  # a masked directory (read-only, or found writable below)
     return cfg.may_mount()
 
 
@@ -313,7 +335,7 @@ def _mount_findings(images: Images, cfg: _Config, host_exists: Any) -> list[str]
                 elif cfg.wants_readonly(_norm(m.ext_key)) and not _readonly(m):
                     out.append(f"{_where(m)}: the container's mount at {m.ext_key} is read-only, this one is not")
                 continue  # otherwise runc maps the key to the source it gives, or CRIU fails
-            if not _fresh_allowed(m, dest, cfg):
+            if not _fresh_allowed(m, dest, cfg, mounts, ids):
                 kind = FSTYPE_NAMES.get(m.fstype, f"filesystem type {m.fstype}")
                 if m.fsname:
                     kind += f" {m.fsname!r}"

@@ -401,3 +401,29 @@ def test_any_bytes_in_an_image_are_read_or_refused_cleanly(tmp_path_factory: Any
     except BridgeError:
         return
     assert isinstance(privileges.findings(got, spec(), exists=lambda _p: True), list)
+
+
+def test_what_only_takes_access_away_needs_no_privilege(ckpt: Checkpoint) -> None:
+    """Masks another engine made (Podman, CRI-O) under a config without them: read-only tmpfs over a
+    directory, a path of /proc bound read-only onto itself."""
+    ckpt.mounts += [mount(150, 106, 5, "/sys/firmware", source="tmpfs", flags=MS_RO),
+                    mount(151, 102, 1, "/proc/sys", source="proc", root="/sys", flags=MS_RO, root_dev=1102)]
+    assert ckpt.findings() == []
+
+
+def test_a_writable_or_displaced_bind_of_proc_is_refused(ckpt: Checkpoint) -> None:
+    ckpt.mounts.append(mount(151, 102, 1, "/proc/sys", source="proc", root="/sys", root_dev=1102))
+    one(ckpt.findings(), "mount 151 at /proc/sys", "proc")
+    # All of /proc, read-only, somewhere else: a view of it without the config's masks.
+    ckpt.mounts[-1] = mount(151, 100, 1, "/mnt/proc", source="proc", root="/", flags=MS_RO, root_dev=1102)
+    one(ckpt.findings(), "mount 151 at /mnt/proc")
+    ckpt.mounts[-1] = mount(151, 100, 1, "/mnt/sys", source="proc", root="/sys", flags=MS_RO, root_dev=1102)
+    one(ckpt.findings(), "mount 151 at /mnt/sys")
+
+
+def test_a_bind_in_place_over_a_mask_uncovers_it_and_is_refused(ckpt: Checkpoint) -> None:
+    masked = {"linux__maskedPaths": ["/proc/sys/kernel/x"]}
+    ckpt.mounts += [mount(160, 102, 5, "/proc/sys/kernel/x", source="tmpfs", flags=MS_RO)]
+    assert ckpt.findings(spec(**masked)) == []
+    ckpt.mounts += [mount(161, 102, 1, "/proc/sys", source="proc", root="/sys", flags=MS_RO, root_dev=1102)]
+    one(ckpt.findings(spec(**masked)), "mount 160", "not mounted on the mount at /proc/sys")
