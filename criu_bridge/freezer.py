@@ -2,7 +2,9 @@
 
 Used by the agent to pause a pod's containers and by the watchdog to thaw
 them. Writes the same files runc's own pause/resume writes, so runc's view of
-a container (running or paused) stays right. Standard library only.
+a container (running or paused) stays right. The same cgroup tells how much
+memory the container uses (``memory_usage``), which a checkpoint writes out.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -66,6 +68,27 @@ def freezer_of(pid: int, *, cgroup_root: str = CGROUP_ROOT) -> Freezer:
     if v2 is not None and os.path.exists(os.path.join(cgroup_root, "cgroup.controllers")):
         return Freezer(os.path.join(cgroup_root, v2.lstrip("/")), 2)
     raise BridgeError(f"no cgroup freezer found for pid {pid}")
+
+
+def memory_usage(fz: Freezer, *, cgroup_root: str = CGROUP_ROOT) -> int | None:
+    """Bytes of memory charged to the freezer's cgroup; None when it cannot be read.
+
+    cgroup v2: ``memory.current`` in the same directory. cgroup v1: the
+    memory hierarchy's ``memory.usage_in_bytes`` at the freezer's path
+    (runc places a container at the same path in every hierarchy).
+    """
+    if fz.version == 2:
+        path = os.path.join(fz.path, "memory.current")
+    else:
+        rel = os.path.relpath(fz.path, os.path.join(cgroup_root, "freezer"))
+        if rel.startswith(".."):
+            return None
+        path = os.path.join(cgroup_root, "memory", rel, "memory.usage_in_bytes")
+    try:
+        with open(path, encoding="ascii") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def state(fz: Freezer) -> str:

@@ -1,4 +1,4 @@
-"""The mount table: /proc/<pid>/mountinfo parsed, and the overlay upperdir of a process's root.
+"""The mount table: /proc/<pid>/mountinfo parsed, the overlay upperdir of a process's root, mounts left below a directory.
 
 A mountinfo line is "ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] -
 FSTYPE SOURCE SUPER_OPTIONS", space separated, with the kernel's octal
@@ -13,9 +13,14 @@ Standard library only.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 from dataclasses import dataclass
 
 from criu_bridge.errors import BridgeError
+
+MNT_DETACH = 2
 
 
 @dataclass(frozen=True)
@@ -98,3 +103,35 @@ def upperdir_of(pid: int) -> str:
             detail += f" ({e.filename!r})"
         raise BridgeError(f"cannot read the mount table of pid {pid}: {detail}") from e
     return parse_root_upperdir(data.decode("utf-8", "surrogateescape"))
+
+
+def mounts_below(directory: str, text: str) -> list[str]:
+    """The mount points at or below `directory` in the mountinfo `text`, deepest (and latest) first."""
+    top = directory.rstrip("/")
+    points = [m.point for m in parse(text) if m.point == top or m.point.startswith(top + "/")]
+    return sorted(dict.fromkeys(reversed(points)), key=lambda p: p.count("/"), reverse=True)
+
+
+def detach_below(directory: str) -> list[str]:
+    """Detach (umount2 MNT_DETACH) every mount at or below `directory` in this mount namespace.
+
+    A CRIU cut off mid-restore leaves its cgroup yard (`.criu.cgyard.*`, a
+    tmpfs with a cgroup hierarchy on each controller) mounted in its work
+    directory, and nothing below a mount point can be removed. Returns what
+    could not be detached, each with the reason.
+    """
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+            points = mounts_below(os.path.realpath(directory), fh.read())
+    except OSError as exc:
+        return [f"cannot read the mount table: {exc.strerror}"]
+    if not points:
+        return []
+    libc = ctypes.CDLL(None, use_errno=True)
+    failed = []
+    for point in points:
+        if libc.umount2(os.fsencode(point), MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            if err != errno.EINVAL:  #: no longer a mount point (an upper one took it along)
+                failed.append(f"{point}: {os.strerror(err)}")
+    return failed

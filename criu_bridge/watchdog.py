@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import select
 import signal
 import subprocess
@@ -65,6 +66,40 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def proc_argv(pid: int) -> list[str]:
+    """The command line of `pid` (empty when it is gone, or a kernel thread)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [a.decode(errors="replace") for a in fh.read(1 << 16).split(b"\0") if a]
+    except OSError:
+        return []
+
+
+# The programs a checkpoint or restore runs as helpers (`runc.amd64`, `criu-4.1` included).
+HELPER_PROGRAMS = ("runc", "criu")
+
+
+def _program(path: str) -> str:
+    name = os.path.basename(path.removesuffix(" (deleted)"))
+    return re.split(r"[.-]", name, maxsplit=1)[0]
+
+
+def is_helper_program(pid: int) -> bool:
+    """Is `pid` runc or CRIU, by its executable (or, where that cannot be read, its command line)?
+
+    What a process is, not what it holds open: the agent itself, a page
+    source or a shell in the scratch directory is never one.
+    """
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    if exe:
+        return _program(exe) in HELPER_PROGRAMS
+    argv = proc_argv(pid)
+    return bool(argv) and _program(argv[0]) in HELPER_PROGRAMS
+
+
 def alive(pid: int, start: int) -> bool:
     return proc_starttime(pid) == start
 
@@ -90,7 +125,11 @@ def descendants(tracked: dict[int, int]) -> None:
 
 
 def holders(work_dir: str) -> dict[int, int]:
-    """Processes with a file, directory or cwd open under `work_dir` (runc, CRIU)."""
+    """runc and CRIU processes with a file, directory or cwd open under `work_dir`.
+
+    Only those (`is_helper_program`): any other process that holds the
+    directory (the agent reading what CRIU wrote, a shell) is never counted.
+    """
     found: dict[int, int] = {}
     if not work_dir:
         return found
@@ -110,7 +149,7 @@ def holders(work_dir: str) -> dict[int, int]:
                 links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
             pass
-        if any(link == work_dir or link.startswith(prefix) for link in links):
+        if any(link == work_dir or link.startswith(prefix) for link in links) and is_helper_program(pid):
             start = proc_starttime(pid)
             if start is not None:
                 found[pid] = start
@@ -133,8 +172,11 @@ class Log:
         self.t0 = time.monotonic()
 
     def __call__(self, msg: str) -> None:
-        sys.stderr.write(f"[watchdog {os.getpid()} +{time.monotonic() - self.t0:.3f}s] {msg}\n")
-        sys.stderr.flush()
+        # Unbuffered and best-effort: a full disk under the log must never stop a thaw.
+        try:
+            os.write(2, f"[watchdog {os.getpid()} +{time.monotonic() - self.t0:.3f}s] {msg}\n".encode())
+        except OSError:
+            pass
 
 
 def guard(freezers: list[Freezer], max_freeze: float, helper_grace: float, log: Log, work_dir: str = "") -> int:
@@ -212,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="node-agent-watchdog")
     ap.add_argument("--max-freeze", type=float, required=True)
     ap.add_argument("--helper-grace", type=float, default=60.0)
-    ap.add_argument("--work-dir", default="", help="the checkpoint's scratch dir: whoever holds it open is a helper")
+    ap.add_argument("--work-dir", default="", help="the checkpoint's scratch dir: runc or CRIU holding it open is a helper")
     ap.add_argument("freezers", nargs="+", help="v1:/sys/fs/cgroup/freezer/... or v2:/sys/fs/cgroup/...")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

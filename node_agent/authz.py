@@ -47,7 +47,8 @@ class Scope(enum.Enum):
     # the caller's namespaces (another namespace's is NOT_FOUND, exactly as one
     # that does not exist); the call is then pinned to its full ID.
     CHECKPOINT = "checkpoint"
-    # The answer lists checkpoints: it keeps only those of the caller's namespaces.
+    # The answer lists things of namespaces (checkpoints, restored containers):
+    # it keeps only those of the caller's namespaces.
     LISTING = "listing"
     # The namespace the `target` field names; `*` when it names none.
     TARGET = "target"
@@ -85,6 +86,8 @@ class Method:
     granted_by: tuple[str, ...] = ()
     # Fields that name a path on the node: refused to the socket group when set.
     paths: tuple[NodePath, ...] = ()
+    # LISTING: the answer's repeated field, and the field of each item that names its namespace.
+    listing: tuple[str, str] = ("checkpoints", "pod_namespace")
 
     def names(self) -> tuple[str, ...]:
         """The names a rule grants this method by (its own first)."""
@@ -103,6 +106,7 @@ METHODS: Mapping[str, Method] = {m.name: m for m in (
     Method("VerifyCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
     Method("RekeyCheckpoint", Scope.CHECKPOINT, ref="checkpoint_id"),
     Method("GarbageCollect", Scope.NODE),
+    Method("ListRestores", Scope.LISTING, target="pod_namespace", listing=("restores", "pod_namespace")),
     Method("Push", Scope.CHECKPOINT, ref="checkpoint_id", paths=(_CA_FILE,)),
     Method("Pull", Scope.AFTERWARDS, paths=(_CA_FILE,)),
     Method("Export", Scope.CHECKPOINT, ref="checkpoint_id",

@@ -4,7 +4,9 @@ Sees dataclasses only (CRI data from `node_agent.cri`, files from the
 store); never protobuf. The pod is never left frozen: a detached watchdog is
 armed before the first freeze and thaws the pod if this process dies or
 stalls; every path out of the freeze window thaws, shielded from
-cancellation; the journal lets start-up recovery finish the job.
+cancellation; the journal lets start-up recovery finish the job. Room on the
+store's disk is asked for before the freeze, and a disk that fills is said so
+(`diskspace`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from criu_bridge.errors import BridgeError, RuntimeFailure
 from criu_bridge.freezer import Freezer
 from criu_bridge.rootfs.capture import capture_diff
 from criu_bridge.rpc import CriuClient
-from criu_bridge.runtime import CheckpointFlags, Runc, reap
-from node_agent import devshm, errors, podformat, policy, signing
+from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags, Runc, reap
+from node_agent import devshm, diskspace, errors, podformat, policy, signing
 from node_agent.config import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
 from node_agent.journal import Entry, Journal
+from node_agent.undoing import Undoer, undo_checkpoint
 from node_agent.keys import Keys
 from node_agent.metrics import Metrics, instrumented
 from node_agent.podformat import manifest_annotations, parse_all_options
@@ -131,7 +134,7 @@ class _Target:
 class Checkpointer:
     def __init__(
         self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
-        keys: Keys | None = None,
+        keys: Keys | None = None, undoer: Undoer | None = None,
     ) -> None:
         self.settings = settings
         self.cri = cri
@@ -139,6 +142,7 @@ class Checkpointer:
         # Where each namespace's encryption key comes from (None: checkpoints stay in the clear).
         self.keys = keys
         self.journal = journal
+        self.undoer = undoer or Undoer(settings, cri, journal)  # what a failed cleanup leaves, until done
         self.criu = criu
         self.runc = Runc(settings.runc, settings.runc_root)
         self.turns = Turns(max_waiting=8)
@@ -254,6 +258,9 @@ class Checkpointer:
             except BridgeError as exc:
                 raise errors.FailedPrecondition(f"pod {pod.ref}, container {d.container.name}: {exc}") from exc
             targets.append(_Target(d, fz, upper, os.path.join(work, podformat.container_dir(d.container.name))))
+        # Room for it, before anything is frozen or written: its memory by its cgroups, plus min-free-bytes.
+        room = await asyncio.to_thread(diskspace.require, pod.ref, [t.freezer for t in targets],
+                                       (req.store or self.store, self.store), self.settings.min_free_bytes)
         shm = devshm.shm_source(details[0].spec)
         entry.data = {
             "pod": pod.ref,
@@ -300,16 +307,21 @@ class Checkpointer:
             progress(Progress("done", total, total, record.size, record.size, record.id))
             log.info("checkpoint %s of pod %s published", record.id, pod.ref, extra={"pod": pod.ref, "checkpoint": record.id, "phase": "publish"})
             return record
+        except Exception as exc:  # a full disk, wherever it struck, is said as such (with CRIU's reason)
+            if (full := await asyncio.to_thread(diskspace.exhausted, exc, pod.ref, phase[0], room)) is None:
+                raise
+            raise full from exc
         finally:
-            # One cleanup task that outlives this call if it is cancelled again
-            # meanwhile: first the thaw (it waits out runc and CRIU), then the
-            # scratch files, then the journal entry.
+            # One cleanup task that outlives this call if it is cancelled again: the thaw (it waits out runc
+            # and CRIU), the scratch files, then the journal entry once nothing is left, else the undoer's retries.
             async def finish() -> None:
                 for t in thawing:
                     with contextlib.suppress(BaseException):
                         await t
-                await asyncio.to_thread(shutil.rmtree, work, True)
-                self.journal.remove(entry)
+                if await asyncio.to_thread(undo_checkpoint, entry.data, self.settings.work_dir):
+                    await self.undoer.undo(entry)
+                else:
+                    self.journal.remove(entry)
 
             await asyncio.shield(asyncio.ensure_future(finish()))
 
@@ -462,12 +474,18 @@ class Checkpointer:
         await asyncio.to_thread(guard.wait, 5.0)
 
     def _keep_log(self, op_id: str, name: str, path: str | None) -> str | None:
+        """A copy of CRIU's log under logs/, for people; where it cannot be made (a full disk), None and a warning."""
         if not path or not os.path.exists(path):
             return None
-        dest_dir = os.path.join(self.settings.logs_dir, op_id)
-        os.makedirs(dest_dir, mode=0o700, exist_ok=True)
-        dest = os.path.join(dest_dir, f"{name}-{os.path.basename(path)}")
-        shutil.copyfile(path, dest)
+        dest = os.path.join(self.settings.logs_dir, op_id, f"{name}-{os.path.basename(path)}")
+        try:
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            shutil.copyfile(path, dest)
+        except OSError as exc:
+            log.warning("cannot keep CRIU's log %s as %s: %s", path, dest, exc.strerror or exc)
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            return None
         return dest
 
     def _metadata(
@@ -565,18 +583,10 @@ class Checkpointer:
             return record
 
 
-# CRIU suggests its own flags; say how to pass them through node-agent.
-_HINTS = {
-    "--tcp-established": "--option tcp-established=true",
-    "--ext-unix-sk": "--option ext-unix-sk=true",
-    "--file-locks": "--option file-locks=true",
-    "--shell-job": "--option shell-job=true",
-}
-
-
 def _hint(lines: Sequence[str]) -> str:
+    """CRIU suggests its own flags; say how to pass them through node-agent."""
     text = " ".join(lines)
-    found = [opt for flag, opt in _HINTS.items() if flag in text]
+    found = [f"--option {name}=true" for name, flag in CHECKPOINT_OPTIONS.items() if flag in text]
     return f" [retry with {', '.join(found)} to allow it]" if found else ""
 
 

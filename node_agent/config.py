@@ -97,6 +97,10 @@ class Timeouts(_Section, frozen=True):
     # How long a lazily restored container may wait for StartContainer
     # before its page source gives up.
     lazy_start: Positive = 600.0
+    # How long a lazily restored container's page source keeps trying to
+    # fetch a chunk a lazy pull left in the registry (a registry that went
+    # away for a moment) before the replica fails.
+    lazy_fetch: Positive = 60.0
     # How long a Pod restore keeps the verified files of the containers the
     # kubelet has not created yet (plaintext); a later CreateContainer reads
     # and verifies them again from the store.
@@ -169,6 +173,10 @@ class RegistrySettings(_Section, frozen=True):
     # The most bytes one pull may bring into the store (besides the
     # store's `min-free-bytes`, which every pull leaves free).
     max_pull_bytes: AtLeastOne = 64 << 30
+    # Seconds a pull that stopped half-way (the registry, the network, the
+    # disk) keeps the blobs it brought, so that running it again resumes;
+    # garbage collection takes them afterwards. 0: until the next collection.
+    partial_pull_ttl: NonNegative = 86400.0
 
     def as_mapping(self) -> dict[str, Any]:
         """The `registry:` section that `parse_registry` reads back into these settings."""
@@ -261,6 +269,10 @@ class RestoreRules(_Section, frozen=True):
     pod_registries: tuple[str, ...] = ()
     # Namespaces whose Pods may allow host access by annotation.
     pod_host_access_namespaces: tuple[str, ...] = ()
+    # When the kubelet creates a container again in a pod whose restore of
+    # that container failed: "refuse" (the default; CreateContainer fails,
+    # naming the failure) or "start-fresh" (it starts from its image).
+    after_failed_restore: Literal["refuse", "start-fresh"] = "refuse"
 
 
 class NamespaceRule(_Section, frozen=True):
@@ -358,6 +370,10 @@ class Settings(Document, frozen=True):
     @property
     def plans_dir(self) -> str:
         return os.path.join(self.store, "plans")
+
+    @property
+    def replicas_dir(self) -> str:
+        return os.path.join(self.store, "replicas")
 
     @property
     def logs_dir(self) -> str:

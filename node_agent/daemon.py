@@ -1,5 +1,11 @@
 """`node-agent serve`: wiring, start-up recovery, serving, bounded shutdown.
 
+One agent per store: `serve` holds `<store>/run/agent.lock` (`agentlock`)
+from before it touches anything until it returns, and refuses to start while
+another process serves its local or `cri-listen` socket. Restores whose undo
+failed (the runtime did not answer) are retried by the `undo-retry` task
+(`undoing.Undoer.run`) while the agent runs, and again at the next start.
+
 On SIGTERM every listener stops taking calls at once; calls in flight get
 `timeouts.cleanup` seconds, then are cancelled (thawing and removing what
 they made); lazy restores let go of their helpers (`Restorer.shutdown`);
@@ -26,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
-from node_agent import errors, handler, signing
+from node_agent import agentlock, errors, handler, signing
 from node_agent import sdnotify
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import Listeners
+from node_agent.api.security import check_socket_free
 from node_agent.checkpointing import Checkpointer
 from node_agent.config import Settings
 from node_agent.cri import CriClient
@@ -40,6 +47,7 @@ from node_agent.podformat import POD_ANNOTATION
 from node_agent.recovery import gc_plans, recover
 from node_agent.restoring import Restorer
 from node_agent.store import Store
+from node_agent.undoing import Undoer
 
 if TYPE_CHECKING:
     from node_agent.devices.monitor import DeviceMonitor
@@ -130,6 +138,22 @@ async def start_devices(s: Settings, metrics: Metrics) -> DeviceMonitor | None:
 
 
 async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` (SIGTERM or SIGINT when None), holding the store's agent lock throughout.
+
+    A second agent on the same store, or one whose sockets another process
+    serves, is refused here, before anything is touched.
+    """
+    lock = agentlock.take(s.store)
+    try:
+        check_socket_free(s.socket, "local socket")
+        if s.cri_listen:
+            check_socket_free(s.cri_listen.removeprefix("unix://"), "cri-listen socket")
+        await _serve_locked(s, stop)
+    finally:
+        lock.release()
+
+
+async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
     prepare_dirs(s)
     if not s.wrapper_python:  # else install-handler wrote it for the host
         install_wrapper(s)
@@ -147,14 +171,15 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     journal = Journal(s.journal_dir)
     cri = CriClient(s.cri_endpoint, timeout=s.timeouts.cri_call)
     criu = CriuClient(s.criu, timeout=s.timeouts.criu_rpc)
+    undoer = Undoer(s, cri, journal)
     try:
-        n = await recover(s, journal, cri)
+        n = await recover(s, journal, cri, undoer)
         if n:
             log.warning("recovered %d unfinished operation(s)", n)
         metrics = Metrics()
         metrics.store_size = store.usage
-        checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys)
-        restorer = Restorer(s, cri, store, journal, criu, metrics)
+        checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys, undoer=undoer)
+        restorer = Restorer(s, cri, store, journal, criu, metrics, undoer=undoer)
         policy = retention_policy(s)
 
         def gc(dry_run: bool = False) -> Any:
@@ -172,7 +197,11 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
             from node_agent.api.cri_endpoint import CriListener
 
             cri_listener = CriListener(s.cri_listen, checkpointer, restorer, store)
-            await cri_listener.start()
+            try:
+                await cri_listener.start()
+            except BaseException:
+                await asyncio.shield(listeners.stop(server, grace=0))
+                raise
         log.info("serving on unix://%s (CRI %s)", s.socket, s.cri_endpoint)
         if stop is None:
             stop = asyncio.Event()
@@ -188,11 +217,12 @@ async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
             asyncio.create_task(periodic_sweep(s, cri, cri_listener.endpoint.pods if cri_listener else None),
                                 name="periodic-sweep") if s.retention.plan_sweep_interval > 0 else None
         )
+        undo_task = asyncio.create_task(undoer.run(), name="undo-retry")  # pending undos, until done
         await stop.wait()
         deadline = time.monotonic() + s.timeouts.cleanup + _SHUTDOWN_MARGIN
         log.info("shutting down: calls in flight get %gs", s.timeouts.cleanup)
         sdnotify.stopping("stopping: letting operations in flight finish")
-        for task in (gc_task, sweep_task):
+        for task in (gc_task, sweep_task, undo_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -4,6 +4,11 @@ Before the agent freezes a pod or creates a sandbox it writes an entry here
 (fsynced), updates it as it goes, and removes it when the operation has put
 everything back. Whatever is left at start-up is an operation the agent did
 not finish: `recovery` thaws, kills and removes what such an entry names.
+
+Each entry names its writer: the PID and the start time (/proc/<pid>/stat)
+of the agent process that last wrote it. An entry whose writer still runs
+belongs to that process, whoever reads the journal: no other process undoes
+it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from criu_bridge.watchdog import alive, proc_starttime
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +34,20 @@ class Entry:
     kind: str  # "checkpoint" or "restore"
     op_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4))
     data: dict[str, Any] = field(default_factory=dict)
+    # Who wrote it last, as read back by `Journal.pending` (0 / None: not known).
+    pid: int = 0
+    start: int | None = None
+
+    def writer_alive(self) -> bool:
+        """Does the process that wrote this entry still run (same PID, same start time)?
+
+        An entry without a start time (written by an agent before this
+        record existed) has no live writer.
+        """
+        return self.pid > 0 and self.start is not None and alive(self.pid, self.start)
+
+    def written_by_me(self) -> bool:
+        return self.pid == os.getpid() and self.start is not None and self.start == proc_starttime(os.getpid())
 
 
 class Journal:
@@ -48,7 +69,9 @@ class Journal:
     def _write(self, entry: Entry) -> None:
         path = self._path(entry.op_id)
         tmp = f"{path}.{threading.get_ident()}.tmp"
-        doc = {"kind": entry.kind, "op_id": entry.op_id, "pid": os.getpid(), "data": entry.data}
+        pid = os.getpid()
+        entry.pid, entry.start = pid, proc_starttime(pid)
+        doc = {"kind": entry.kind, "op_id": entry.op_id, "pid": pid, "start": entry.start, "data": entry.data}
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, json.dumps(doc, sort_keys=True).encode())
@@ -69,8 +92,16 @@ class Journal:
             except FileNotFoundError:
                 pass
 
+    def holds(self, entry: Entry) -> bool:
+        """Is `entry` still on disk?"""
+        return os.path.exists(self._path(entry.op_id))
+
     def pending(self) -> list[Entry]:
-        """Entries left behind, oldest first. Unreadable ones are logged and dropped."""
+        """Entries on disk, oldest first, each with its writer. Unreadable ones are logged and dropped."""
+        with self._lock:  # a write in flight in another thread keeps its temporary file
+            return self._pending()
+
+    def _pending(self) -> list[Entry]:
         out = []
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
@@ -82,7 +113,9 @@ class Journal:
             try:
                 with open(path, encoding="utf-8") as fh:
                     doc = json.load(fh)
-                out.append(Entry(kind=str(doc["kind"]), op_id=str(doc["op_id"]), data=dict(doc["data"])))
+                start = doc.get("start")
+                out.append(Entry(kind=str(doc["kind"]), op_id=str(doc["op_id"]), data=dict(doc["data"]),
+                                 pid=int(doc.get("pid") or 0), start=int(start) if start is not None else None))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("dropping unreadable journal entry %s: %s", path, exc)
                 os.unlink(path)

@@ -8,7 +8,9 @@ wrapper (`criu_bridge.wrapper`), which turns the container's `create` into
 `admit` applies the node's policy for the target namespace, the rule on
 other engines' checkpoints and the signature requirement (every restore
 path, the CRI endpoint's restore through a Pod included, asks it).
-Everything created is journalled and removed again on any error. A lazy
+Everything created is journalled, the sandbox before RunPodSandbox is
+called, and removed again on any error, until the runtime confirms it
+(`node_agent.undoing`). A lazy
 restore (`node_agent.lazy`) stages the memory that can come on demand
 sparse and starts each container's lazy-pages helpers once its plan is
 written.
@@ -33,6 +35,7 @@ from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
 from node_agent import devshm, errors, handler, hostaccess, podformat, policy, signing
 from node_agent.config import Settings
 from node_agent.cri import CriClient
+from node_agent.cri.client import RuntimeUnavailable
 from node_agent.interop import criuimg
 from node_agent.interop.foreign import IMPORTED_FROM
 from node_agent.journal import Entry, Journal
@@ -43,7 +46,9 @@ from node_agent.metrics import Metrics, instrumented
 from node_agent.options import boolean
 from node_agent.podformat import SavedPod, check_host_access, check_name, load_saved
 from node_agent.progress import Progress, ProgressFn, no_progress
+from node_agent.replicas import Replica, Replicas, log_path_of, now_rfc3339
 from node_agent.store import CheckpointRecord, Store
+from node_agent.undoing import RESTORE_OP, Undoer, sandbox_record
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,8 @@ log = logging.getLogger(__name__)
 # lazy-restore setting, where CRIU and the kernel support it).
 # Both take `true` or `false`, nothing else.
 RESTORE_OPTIONS = {"allow-host-access", "lazy"}
+# How long a failed StartContainer of a lazy restore waits for its page source's account of why.
+LAZY_REASON_WAIT = 5.0
 RESTORED_FROM = "node-agent.io/restored-from"
 
 
@@ -180,8 +187,10 @@ def with_restored_from(pod_config: Mapping[str, Any], checkpoint_id: str) -> dic
 class Restorer:
     def __init__(
         self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
+        *, undoer: Undoer | None = None,
     ) -> None:
         self.settings = settings
+        self.undoer = undoer or Undoer(settings, cri, journal)
         self.cri = cri
         self.store = store
         self.journal = journal
@@ -190,7 +199,8 @@ class Restorer:
         self.metrics = metrics
         # Checkpoints whose CPU check passed on this node (stable while the agent runs).
         self._cpu_ok: set[str] = set()
-        self.lazy = LazyRestores(settings)
+        self.replicas = Replicas(settings.replicas_dir)  # every container restored, and whether it failed
+        self.lazy = LazyRestores(settings, self.replicas)
 
     @instrumented("restore")
     async def restore(
@@ -203,14 +213,20 @@ class Restorer:
         try:
             async with asyncio.timeout(timeout):
                 result = await self._run(req, entry, phase, progress)
-        except TimeoutError as exc:
-            await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
-            raise errors.DeadlineExceeded(
-                f"restore of {req.checkpoint_id}: the deadline ({timeout:g}s) passed during {phase[0]}; "
-                "everything it created was removed"
-            ) from exc
-        except BaseException:
-            await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
+        except BaseException as exc:
+            done = await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
+            undone = ("everything it created was removed" if done else "removing what it created is pending: the "
+                      f"agent retries until the runtime answers (journal entry {entry.op_id})")
+            if isinstance(exc, TimeoutError):
+                raise errors.DeadlineExceeded(f"restore of {req.checkpoint_id}: the deadline ({timeout:g}s) passed "
+                                              f"during {phase[0]}; {undone}") from exc
+            if isinstance(exc, RuntimeUnavailable) and entry.pid:
+                raise errors.Unavailable(
+                    f"restore as pod {entry.data.get('pod', '?')}, phase {phase[0]}: the container runtime at "
+                    f"{self.settings.cri_endpoint} did not answer ({_innermost(exc)}); {undone}"
+                ) from exc
+            if not done and isinstance(exc, errors.AgentError):  # the caller hears that something stays, for now
+                raise type(exc)(f"{exc}; {undone}") from exc
             raise
         self.journal.remove(entry)
         self.lazy.done(entry.op_id)
@@ -269,12 +285,14 @@ class Restorer:
         await handler.require(self.cri, self.settings, handler_name, f"restore as pod {where}")
 
         phase[0] = "sandbox"
-        entry.data.update({"checkpoint": record.id, "pod": where})
-        self.journal.write(entry)
         pod_config = (
             target_pod_config(saved, namespace, name, uid, record.id, self.settings.pod_log_root)
             if req.pod_config is None else with_restored_from(req.pod_config, record.id)
         )
+        pod_config["annotations"] = {**(pod_config.get("annotations") or {}), RESTORE_OP: entry.op_id}
+        # The sandbox is findable before it exists: an answer lost leaves no sandbox behind.
+        entry.data.update({"checkpoint": record.id, "pod": where, "sandbox": sandbox_record(pod_config, entry.op_id)})
+        self.journal.write(entry)
         lazy = await self.lazy.wanted(opts.lazy, record)
         progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
         # Read and verify every file while containerd makes the sandbox.
@@ -337,7 +355,8 @@ class Restorer:
             entry.data["plans"].append(plan_dir)
             self.journal.write(entry)
             await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, saved.options, lazy,
-                                    nonce=nonce, mounts=ccfg.get("mounts"))
+                                    nonce=nonce, mounts=ccfg.get("mounts"), sandbox=pod_id,
+                                    logs=(str(pod_config.get("log_directory") or ""), str(ccfg.get("log_path") or "")))
             if lazy:
                 await self.lazy.start(entry.op_id, req.source or self.store, record, where, cname, cid, plan_dir,
                                       callers=req.source is not None, exists=self._exists(cid))
@@ -353,6 +372,12 @@ class Restorer:
                 try:
                     await self.cri.start_container(cid)
                 except errors.AgentError as exc:
+                    # A lazy restore cut short by its page source: the source says why (a chunk that
+                    # failed verification, a registry gone), not the log CRIU left as it was cut off.
+                    why = await self.lazy.failure(entry.op_id, cid, LAZY_REASON_WAIT) if lazy else ""
+                    if why:
+                        code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
+                        raise code(why) from exc
                     refused = handler.refusal(os.path.join(self.settings.plans_dir, cid))
                     if refused is not None:
                         raise refused from exc
@@ -433,14 +458,16 @@ class Restorer:
 
     def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
-        lazy: bool = False, *, nonce: str, mounts: Any = None,
+        lazy: bool = False, *, nonce: str, mounts: Any = None, sandbox: str = "", logs: tuple[str, str] = ("", ""),
     ) -> None:
         """Move a container's verified files from staging into its plan dir (renames only).
 
         The plan names its `nonce` (the container's mark), and lists the
         file locks its processes will take again (`locks.json`): a lock
         that a live process on this node holds against it fails the restore
-        here, by name, instead of leaving CRIU waiting for it.
+        here, by name, instead of leaving CRIU waiting for it. The container
+        is recorded as a replica of its `sandbox` (`replicas`), with its CRI
+        log (`logs`: the sandbox's log directory, the container's log path).
         """
         os.makedirs(plan_dir, mode=0o700)
         src = os.path.join(staging, podformat.container_dir(cname))
@@ -470,15 +497,18 @@ class Restorer:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(path + ".tmp", path)
+        if sandbox:
+            self.replicas.record(Replica(os.path.basename(plan_dir), sandbox, where, cname, record.id, lazy,
+                                         log_path_of(*logs), logs[0], now_rfc3339()))
 
-    async def _undo(self, entry: Entry) -> None:
-        """Remove every sandbox and plan this restore created, then its journal entry.
+    async def _undo(self, entry: Entry) -> bool:
+        """Remove every sandbox and plan this restore created, then its journal entry; False: still pending.
 
-        Runs as its own task: a second cancellation of the call cannot cut it short.
+        Runs as its own task: a second cancellation of the call cannot cut it
+        short. What the runtime could not remove now, the undoer retries.
         """
         await self.lazy.cancel(entry.op_id)
-        await undo_restore(self.cri, entry.data, self.settings.timeouts.cleanup)
-        self.journal.remove(entry)
+        return await self.undoer.undo(entry)
 
 
 def admit(settings: Settings, signatures: signing.ReferrerReader, record: CheckpointRecord, saved: SavedPod,
@@ -533,19 +563,8 @@ async def _settle(task: asyncio.Task[Any]) -> None:
         pass
 
 
-async def undo_restore(cri: CriClient, data: Mapping[str, Any], timeout: float) -> None:
-    for pod_id in data.get("sandboxes", []):
-        try:
-            async with asyncio.timeout(timeout):
-                try:
-                    await cri.stop_pod(pod_id)
-                except errors.NotFound:
-                    pass
-                await cri.remove_pod(pod_id)
-        except errors.NotFound:
-            pass
-        except (errors.AgentError, TimeoutError) as exc:
-            log.error("cannot remove sandbox %s of a failed restore: %s", pod_id[:13], exc)
-    for plan_dir in data.get("plans", []):
-        if isinstance(plan_dir, str) and os.path.isabs(plan_dir):
-            shutil.rmtree(plan_dir, ignore_errors=True)
+def _innermost(exc: BaseException) -> str:
+    """The message of the first error in `exc`'s chain of causes (the runtime's own answer)."""
+    while isinstance(exc.__cause__, errors.AgentError):
+        exc = exc.__cause__
+    return str(exc)

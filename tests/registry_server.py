@@ -417,6 +417,20 @@ class Registry:
             config["auth"] = {"htpasswd": {"realm": "node-agent-test", "path": str(htpasswd)}}
         return config
 
+    def kill(self) -> None:
+        """SIGKILL docker-registry, as a registry that dies mid-transfer; ``restart`` brings it back."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start docker-registry again after ``kill``: the same port, the same storage."""
+        self._launch()
+        if not self._wait_ready():
+            self.stop()
+            raise RuntimeError(f"docker-registry did not restart; its log:\n{self.log_tail()}")
+
     def rotate_token_key(self) -> None:
         """Restart the registry (same port, same storage) trusting only a new token-signing key.
 

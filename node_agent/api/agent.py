@@ -199,6 +199,24 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             bytes_freed=report.bytes_freed, kept=report.kept, dry_run=report.dry_run,
         )
 
+    async def ListRestores(self, request: pb.ListRestoresRequest, context: grpc.aio.ServicerContext) -> pb.ListRestoresResponse:
+        """The restored replicas and how each is doing; records of sandboxes that are gone are dropped first."""
+        replicas = self.restorer.replicas
+        recorded = replicas.sandboxes()  # listed before the sandboxes: one recorded meanwhile is never dropped
+        cri = self.restorer.cri
+        try:
+            alive: set[str] | None = {p.id for p in await cri.list_pods()}
+            runtime: dict[str, str] | None = {c.id: c.state for c in await cri.list_containers()}
+        except errors.AgentError as exc:
+            log.warning("cannot ask the runtime about restored containers: %s", exc)
+            alive = runtime = None
+        if alive is not None:
+            await self._unary(context, lambda: replicas.prune([s for s in recorded if s not in alive]))
+        states = await self._unary(context, lambda: self.restorer.lazy.report(runtime))
+        return pb.ListRestoresResponse(restores=[
+            convert.restored_replica(s) for s in states
+            if not request.pod_namespace or s.replica.namespace == request.pod_namespace])
+
     async def _transfer(
         self, context: grpc.aio.ServicerContext, fn: Callable[[Callable[[Any], None]], Any], ref: str
     ) -> AsyncIterator[pb.TransferEvent]:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from node_agent import podformat
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent.progress import Progress
+from node_agent.replicas import ReplicaState
 from node_agent.restoring import RestoredPod
 from node_agent.store import CheckpointRecord
 
@@ -74,4 +75,13 @@ def restore_result(r: RestoredPod) -> pb.RestoreResult:
         pod_sandbox_id=r.pod_sandbox_id,
         containers=[pb.RestoredContainer(name=n, container_id=c) for n, c in r.containers],
         namespace=r.namespace, name=r.name, uid=r.uid, checkpoint_id=r.checkpoint_id, started=r.started,
+    )
+
+
+def restored_replica(s: ReplicaState) -> pb.RestoredReplica:
+    r = s.replica
+    return pb.RestoredReplica(
+        pod_namespace=r.namespace, pod_name=r.pod_name, pod_sandbox_id=r.sandbox, container=r.container,
+        container_id=r.container_id, checkpoint_id=r.checkpoint, lazy=r.lazy, state=s.state, reason=s.reason,
+        pages_in=s.pages, pages_total=s.total, restored=r.restored, container_state=s.runtime,
     )

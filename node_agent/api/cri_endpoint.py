@@ -12,7 +12,13 @@ containerd. Everything is forwarded to containerd byte for byte
   are forwarded untouched;
 - `StartContainer` of a container with a restore plan: forwarded, then
   verified (`node_agent.handler`): the runtime must have restored it from
-  its plan, or it is stopped and the call fails.
+  its plan, or it is stopped and the call fails. A restore that fails there
+  fails its whole pod (`lazy.kill.stop_pod`), and a container whose restore
+  failed is not started;
+- `ContainerStatus` of a container whose restore failed: its `reason`
+  (`RestoreFailed`) and `message` (why) say so. The response is decoded
+  only for containers the agent restored; every other call is forwarded
+  byte for byte.
 
 See docs/cri-endpoint.md.
 """
@@ -20,6 +26,7 @@ See docs/cri-endpoint.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -35,17 +42,23 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
-from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, RT, PodRestores, valid_id
+from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, RT, PodRestores
+from node_agent.api.security import claim_socket
 from node_agent.checkpointing import CheckpointRequest, Checkpointer
 from node_agent.cri.client import to_json
+from node_agent.lazy.kill import stop_pod
 from node_agent.podformat import load_saved, parse_all_options
+from node_agent.replicas import Replica, valid_id
 from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options
 from node_agent.store import Store, WriterHooks
 from node_agent.store.sealing import Keyring
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALLOW_HOST_ACCESS", "RESTORE_FROM", "CriEndpoint", "CriListener"]
+__all__ = ["ALLOW_HOST_ACCESS", "RESTORE_FAILED", "RESTORE_FROM", "CriEndpoint", "CriListener"]
+
+# ContainerStatus.reason of a container whose restore failed (its message says why).
+RESTORE_FAILED = "RestoreFailed"
 
 
 def _timeout(context: grpc.aio.ServicerContext) -> float | None:
@@ -150,7 +163,9 @@ class CriEndpoint:
         self.proxy = CriProxy(upstream)
         self.pods = PodRestores(checkpointer, restorer, store, self.proxy)
         self.proxy.local = self.handlers()
-        self._forward_start = self.proxy.unary_forwarder(RT + "StartContainer")
+        self._forward_start = self.proxy.unary_forwarder(RT + "StartContainer", before_error=self._start_failed)
+        self._forward_status = self.proxy.unary_forwarder(RT + "ContainerStatus")
+        self.replicas = restorer.replicas
         self._images = cri_grpc.ImageServiceStub(upstream)  # type: ignore[no-untyped-call]
 
     def handlers(self) -> dict[str, LocalHandler]:
@@ -162,6 +177,7 @@ class CriEndpoint:
             RT + "RemovePodSandbox": self.pods.remove_pod_sandbox,
             RT + "RemoveContainer": self.pods.remove_container,
             RT + "StartContainer": self.start_container,
+            RT + "ContainerStatus": self.container_status,
         }
 
     # ---- CheckpointPod ------------------------------------------------------
@@ -305,10 +321,20 @@ class CriEndpoint:
             )
 
     async def start_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """StartContainer, forwarded; for a container with a restore plan, then verified as restored."""
+        """StartContainer, forwarded; for a container with a restore plan, then verified as restored.
+
+        A restored container whose restore failed (its pod's, or its own) is
+        not started; one whose start fails (the runtime's error, or the
+        check after it) fails its pod's restore: its pod's other restored
+        containers are stopped, and the kubelet may not create it again.
+        """
         cid = cri.StartContainerRequest.FromString(raw).container_id
         plan_dir = os.path.join(self.settings.plans_dir, cid) if valid_id(cid) else ""
         nonce = handler.plan_nonce(plan_dir) if plan_dir else None
+        replica = self.replicas.get(cid)
+        failed = self.replicas.failure(replica) if replica is not None else None
+        if replica is not None and failed is not None:
+            await abort_with(context, errors.FailedPrecondition(replica.failure_text(failed)))
         resp = await self._forward_start(raw, context)
         if nonce is None:
             return resp
@@ -322,8 +348,53 @@ class CriEndpoint:
             await handler.verify_restored(self.checkpointer.cri, self.settings, cid, plan_dir, nonce, where=where,
                                           handler=self.settings.runtime_handler)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            if replica is not None:
+                await self._restore_failed(replica, str(exc))
             await abort_with(context, exc)
+        if replica is not None:
+            failed = self.replicas.failure(replica)
+            if failed is not None:  # the pod failed while this one was being restored: it stops too
+                await self._restore_failed(replica, failed)
+                await abort_with(context, errors.FailedPrecondition(replica.failure_text(failed)))
         return resp
+
+    async def _start_failed(self, raw: bytes, exc: grpc.aio.AioRpcError) -> None:
+        """The runtime failed StartContainer: for a restored container, its restore (and its pod's) failed.
+
+        The reason is the wrapper's own account when it wrote one, else the
+        runtime's answer; it is recorded before the answer is relayed (the
+        kubelet then creates the container again, and is refused). A start
+        the caller gave up on may still be restoring: its state is waited for.
+        """
+        cid = cri.StartContainerRequest.FromString(raw).container_id
+        replica = self.replicas.get(cid)
+        plan_dir = os.path.join(self.settings.plans_dir, cid) if valid_id(cid) else ""
+        if replica is None or not plan_dir or handler.plan_nonce(plan_dir) is None:
+            return
+        refused = handler.refusal(plan_dir)
+        await self._restore_failed(replica, str(refused) if refused is not None else
+                                   f"StartContainer failed: {exc.details() or exc.code().name}",
+                                   wait_for_state=exc.code() in (grpc.StatusCode.CANCELLED,
+                                                                 grpc.StatusCode.DEADLINE_EXCEEDED))
+
+    async def _restore_failed(self, replica: Replica, reason: str, *, wait_for_state: bool = False) -> None:
+        """A restored container's restore failed: stop its whole pod's restored containers (`stop_pod`)."""
+        reason = reason.removeprefix(f"restore of pod {replica.pod}, container {replica.container}, ")
+        reason = reason.removesuffix("; the container was stopped")
+        await asyncio.to_thread(functools.partial(stop_pod, self.replicas, self.settings.runc_root, replica, reason,
+                                                  wait_for_state=wait_for_state))
+
+    async def container_status(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """ContainerStatus, forwarded; a failed restored container's `reason` and `message` say why it failed."""
+        replica = self.replicas.get(cri.ContainerStatusRequest.FromString(raw).container_id)
+        resp = await self._forward_status(raw, context)
+        failed = self.replicas.failure(replica) if replica is not None else None
+        if replica is None or failed is None:
+            return resp
+        answer = cri.ContainerStatusResponse.FromString(resp)
+        answer.status.reason = RESTORE_FAILED
+        answer.status.message = replica.failure_text(failed)
+        return bytes(answer.SerializeToString())
 
 
 class CriListener:
@@ -344,8 +415,7 @@ class CriListener:
 
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        claim_socket(self.path, "cri-listen socket")
         self.server.add_insecure_port("unix://" + self.path)
         from node_agent.api.health import add_operability
 

@@ -77,7 +77,10 @@ class CriProxy(grpc.GenericRpcHandler):  # type: ignore[misc]
             return grpc.unary_stream_rpc_method_handler(self.stream_forwarder(method))
         return grpc.unary_unary_rpc_method_handler(self.unary_forwarder(method))
 
-    def unary_forwarder(self, method: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    def unary_forwarder(
+        self, method: str, before_error: Callable[[bytes, grpc.aio.AioRpcError], Awaitable[None]] | None = None,
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+        """A forwarder of `method`; `before_error(request, error)` runs before an upstream error is relayed."""
         upstream = self.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -90,6 +93,8 @@ class CriProxy(grpc.GenericRpcHandler):  # type: ignore[misc]
                     await context.send_initial_metadata(forwardable(initial))
                 response: bytes = await call
             except grpc.aio.AioRpcError as exc:
+                if before_error is not None:
+                    await before_error(request, exc)
                 await _relay_error(context, exc)
                 raise  # not reached: abort raises
             finally:

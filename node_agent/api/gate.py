@@ -188,7 +188,7 @@ class MethodGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if scope is authz.Scope.CHECKPOINT:
             return await self._checkpoint(method, who, request, context), None
         if scope is authz.Scope.LISTING:
-            return request, self._listing(who, name)
+            return request, self._listing(who, method)
         return request, None
 
     async def _pod(
@@ -226,17 +226,18 @@ class MethodGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise
         return _pinned(request, method.ref, rec.id)
 
-    def _listing(self, who: authz.Identity, name: str) -> Keep | None:
-        """The answer's `checkpoints` reduced to the namespaces `who` may list (None: all of them)."""
-        allowed = self.policy.namespaces(who, name)
+    def _listing(self, who: authz.Identity, method: authz.Method) -> Keep | None:
+        """The answer's items (`method.listing`) reduced to the namespaces `who` may list (None: all of them)."""
+        allowed = self.policy.namespaces(who, method.name)
         if authz.ANY in allowed:
             return None
+        items, namespace = method.listing
 
         def keep(answer: Any) -> Any:
             out = type(answer)()
             out.CopyFrom(answer)
-            del out.checkpoints[:]
-            out.checkpoints.extend(c for c in answer.checkpoints if c.pod_namespace in allowed)
+            del getattr(out, items)[:]
+            getattr(out, items).extend(c for c in getattr(answer, items) if getattr(c, namespace) in allowed)
             return out
 
         return keep

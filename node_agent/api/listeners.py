@@ -21,7 +21,7 @@ from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.gate import Caller, MethodGate
 from node_agent.api.health import add_operability, serve_health, set_not_serving
-from node_agent.api.security import CertificateFiles, LocalSocketGate, group_id, private_dir, tls_port
+from node_agent.api.security import CertificateFiles, LocalSocketGate, claim_socket, group_id, private_dir, tls_port
 from node_agent.config import Settings, host_port
 from node_agent.metrics import Metrics, serve_metrics
 
@@ -67,8 +67,7 @@ class Listeners:
         """Give the main server health, reflection and its private socket (before it starts)."""
         self._server = server
         self._health_servicers.append(await add_operability(server))
-        if os.path.exists(self.backend):
-            os.unlink(self.backend)
+        claim_socket(self.backend, "the API's backend socket")
         server.add_insecure_port("unix://" + self.backend)
 
     async def start(self) -> None:
@@ -85,8 +84,7 @@ class Listeners:
         if self.group_backend:
             self.group = api_server(self.servicer, MethodGate(Caller.GROUP))
             self._health_servicers.append(await add_operability(self.group))
-            if os.path.exists(self.group_backend):
-                os.unlink(self.group_backend)
+            claim_socket(self.group_backend, "the socket group's backend socket")
             self.group.add_insecure_port("unix://" + self.group_backend)
             await self.group.start()
         await self.gate.start()

@@ -7,6 +7,10 @@ restore handler; `CreateContainer` of each checkpointed container appends
 the plan's mark and writes its restore plan; the kubelet's StartContainer
 then resumes the checkpointed process (the CRI endpoint verifies it).
 `RemoveContainer` and `RemovePodSandbox` take the plans and the state along.
+A container whose restore failed is not created again in its sandbox: the
+kubelet's CreateContainer of that name there is refused, naming the failure
+(`restore.after-failed-restore`), instead of starting its image fresh in a
+pod that says it was restored.
 
 Rule: the annotations are whoever may create Pods', never trusted. The
 checkpoint must be of the Pod's own namespace (its key domain too), or of
@@ -41,7 +45,8 @@ from node_agent.checkpointing import Checkpointer
 from node_agent.cri.client import to_json
 from node_agent.options import boolean
 from node_agent.podformat import SavedPod, check_host_access, load_saved, namespace_of
-from node_agent.restoring import Restorer, undo_restore
+from node_agent.replicas import valid_id
+from node_agent.restoring import Restorer
 from node_agent.store import CheckpointRecord, Store
 
 log = logging.getLogger(__name__)
@@ -118,8 +123,13 @@ class PodRestores:
             self.restores[st.sandbox_id] = st
 
     async def prune(self) -> None:
-        """Forget restores whose sandbox is gone (removed while the agent was down, or not through it)."""
-        if not self.restores:
+        """Forget restores and restored replicas whose sandbox is gone (removed while the agent was down, or not here).
+
+        The replicas' records are listed before the sandboxes: one recorded
+        meanwhile, whose sandbox is new, is never dropped.
+        """
+        recorded = self.restorer.replicas.sandboxes()
+        if not self.restores and not recorded:
             return
         try:
             alive = {p.id for p in await self.checkpointer.cri.list_pods()}
@@ -128,6 +138,7 @@ class PodRestores:
             return
         for pod_id in [i for i in self.restores if i not in alive]:
             shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
+        self.restorer.replicas.prune([i for i in recorded if i not in alive])
 
     async def sweep(self, now: float | None = None) -> None:
         """Forget restores whose sandbox is gone; drop staging older than `timeouts.pod-staging`.
@@ -193,7 +204,7 @@ class PodRestores:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(st.dir, ignore_errors=True)
-            await asyncio.shield(undo_restore(self.checkpointer.cri, {"sandboxes": [pod_id]}, self.settings.timeouts.cleanup))
+            await asyncio.shield(asyncio.ensure_future(self.restorer.undoer.remove_sandbox(pod_id, where)))
             await abort_with(context, _for_pod(exc, where, ref))
         self.restores[pod_id] = st
         log.info("pod %s: sandbox %s made to restore checkpoint %s", where, pod_id[:13], record.id,
@@ -275,6 +286,7 @@ class PodRestores:
         req = cri.CreateContainerRequest.FromString(raw)
         st = self.restores.get(req.pod_sandbox_id)
         name = req.config.metadata.name
+        await self._after_failed_restore(req.pod_sandbox_id, name, context)
         if st is None or name not in st.pending:
             return await self._forward_create(raw, context)
         async with st.lock:
@@ -300,7 +312,8 @@ class PodRestores:
             try:
                 await asyncio.to_thread(
                     self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options,
-                    nonce=nonce, mounts=to_json(req.config).get("mounts"),
+                    nonce=nonce, mounts=to_json(req.config).get("mounts"), sandbox=st.sandbox_id,
+                    logs=(req.sandbox_config.log_directory, req.config.log_path),
                 )
                 st.pending.remove(name)
                 st.save()
@@ -336,7 +349,30 @@ class PodRestores:
         st = self.restores.pop(pod_id, None)
         if st is not None:
             shutil.rmtree(st.dir, ignore_errors=True)
+        if pod_id:
+            self.restorer.replicas.forget(pod_id)
         return resp
+
+    async def _after_failed_restore(self, sandbox: str, name: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse to create a container again where its restore failed (`restore.after-failed-restore: refuse`).
+
+        The kubelet creates a container again after it exited; one whose
+        restore failed would start from its image, fresh, in a pod that says
+        it was restored. The refusal (FAILED_PRECONDITION, which the kubelet
+        shows as the container's error) names the failure.
+        """
+        failed = self.restorer.replicas.failed_name(sandbox, name) if sandbox else None
+        if failed is None:
+            return
+        rep, reason = failed
+        if self.settings.restore.after_failed_restore == "start-fresh":
+            log.warning("pod %s: container %s, whose restore failed (%s), starts from its image "
+                        "(restore.after-failed-restore: start-fresh)", rep.pod, name, reason,
+                        extra={"pod": rep.pod, "container": name, "phase": "create"})
+            return
+        await abort_with(context, errors.FailedPrecondition(
+            f"{rep.failure_text(reason)}; it is not created again from its image in a pod restored from checkpoint "
+            f"{rep.checkpoint} (restore.after-failed-restore: refuse): delete the pod and restore it again"))
 
     async def remove_container(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """RemoveContainer, forwarded; then the container's restore plan goes."""
@@ -347,10 +383,6 @@ class PodRestores:
     def _drop_plan(self, container_id: str) -> None:
         if valid_id(container_id):
             shutil.rmtree(os.path.join(self.settings.plans_dir, container_id), ignore_errors=True)
-
-
-def valid_id(cid: str) -> bool:
-    return 0 < len(cid) <= 128 and all(c.isalnum() or c in "-_." for c in cid) and not cid.startswith(".")
 
 
 def _for_pod(exc: BaseException, where: str, ref: str) -> BaseException:

@@ -9,6 +9,9 @@
   bytes of root to the root server's private socket, those of the socket
   group's members to the group's, both in a root-only directory; other peers
   are relayed to a server that refuses every call with PERMISSION_DENIED.
+- `claim_socket` makes way for every Unix socket the agent listens on: a
+  socket file another process still serves is never taken over (the start
+  is refused), a stale one is replaced.
 
 What each kind of caller may then call is the method table's to say
 (`node_agent.authz`), enforced by `node_agent.api.gate` on every server.
@@ -24,6 +27,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import struct
 import tempfile
 import threading
@@ -196,6 +200,52 @@ def private_dir(store: str) -> str:
     return path
 
 
+def check_socket_free(path: str, what: str) -> bool:
+    """Is there a socket file at `path` that no process serves (stale)? FAILED_PRECONDITION when one serves it.
+
+    False when nothing is there. A connection that is accepted (or waits in
+    a full backlog) means a live server: refused, naming its PID where the
+    kernel tells it. Only a refused connection (nobody listens) makes a
+    socket stale. Anything else at `path` that is not a socket counts as
+    stale too (it was always replaced).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        return True
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except BlockingIOError:
+            pid = 0
+        except OSError as exc:
+            raise errors.FailedPrecondition(
+                f"{what} {path}: cannot tell whether another process serves it ({exc.strerror}); not replacing it"
+            ) from exc
+        else:
+            pid = peer_credentials(probe).pid
+    by = f" (pid {pid})" if pid > 0 else ""
+    raise errors.FailedPrecondition(
+        f"{what} {path} is served by another process{by}; refusing to take it over (is another node-agent running?)"
+    )
+
+
+def claim_socket(path: str, what: str) -> None:
+    """Make way for a new listening socket at `path`: a stale one is removed, a served one refuses the start.
+
+    Every listener of the agent binds through this (the local socket, the
+    store's private backend sockets, `cri-listen`), right before it binds.
+    """
+    if check_socket_free(path, what):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class _Refuse(grpc.GenericRpcHandler):  # type: ignore[misc]
     def __init__(self, message: str) -> None:
         self.message = message
@@ -232,6 +282,7 @@ class LocalSocketGate:
         self.refuse_path = os.path.join(directory, "refuse.sock")
         self.gid = gid
         self._server: asyncio.Server | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file this gate made
         self._refuser: grpc.aio.Server | None = None
         self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (last logged, refused since)
         self._relays: set[asyncio.Task[Any]] = set()
@@ -259,14 +310,14 @@ class LocalSocketGate:
         who = "root" if self.gid is None else f"root and group {self.gid}"
         self._refuser = grpc.aio.server()
         self._refuser.add_generic_rpc_handlers((_Refuse(f"the local socket {self.path} admits only {who}"),))
-        if os.path.exists(self.refuse_path):
-            os.unlink(self.refuse_path)
+        claim_socket(self.refuse_path, "the refusal socket")
         self._refuser.add_insecure_port("unix://" + self.refuse_path)
         await self._refuser.start()
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        claim_socket(self.path, "local socket")
         self._server = await asyncio.start_unix_server(self._accept, path=self.path)
+        st = os.stat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         os.chown(self.path, 0, -1 if self.gid is None else self.gid)
         os.chmod(self.path, 0o660)
 
@@ -297,8 +348,11 @@ class LocalSocketGate:
         """Refuse new connections; those already relayed go on."""
         if self._server is not None:
             self._server.close()
+        # Only the socket file this gate made: never one another process bound at the path.
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            st = os.lstat(self.path)
+            if self._bound == (st.st_dev, st.st_ino):
+                os.unlink(self.path)
 
     async def close(self) -> None:
         self.stop_accepting()

@@ -9,7 +9,7 @@ from typing import Any, get_args
 import msgspec
 
 from node_agent import errors
-from node_agent.cli import checkpoints, containerd_config, devices, doctor, install_systemd, transfer
+from node_agent.cli import checkpoints, containerd_config, devices, doctor, install_systemd, restores, transfer
 from node_agent.cli.client import ENV_SOCKET, CliError, remote_of
 from node_agent.config import Document, LogFormat, LogLevel, Settings, load
 
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sysfs-root", metavar="DIR", help=f"the sysfs tree the device inventory reads (default {_DEFAULT.sysfs_root})")
     p.set_defaults(func=cmd_serve)
     checkpoints.add_parsers(sub, common)
+    restores.add_parsers(sub, common)
     transfer.add_parsers(sub, common)
     devices.add_parsers(sub, common)
     doctor.add_parser(sub, sp, settings_from)

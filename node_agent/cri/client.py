@@ -19,13 +19,17 @@ log = logging.getLogger(__name__)
 
 _MAX_MSG = 64 << 20
 
+class RuntimeUnavailable(errors.Unavailable):
+    """The container runtime itself did not answer (down, restarting): UNAVAILABLE from a CRI call."""
+
+
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.AgentError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.UNAVAILABLE: RuntimeUnavailable,
     grpc.StatusCode.CANCELLED: errors.Cancelled,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,

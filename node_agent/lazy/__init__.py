@@ -28,9 +28,12 @@ and the module that does each:
    fetched from the origin (`registry.fetching`), verified and decoded.
    The source runs at the background priority (`background`).
 6. Guard and end: the session holds duplicates of the userfaultfds while
-   the container runs, kills the container (`kill`) on any failure, and records the
-   outcome in the plan; once a lazily pulled checkpoint's pages are all in,
-   `restores` asks the store to settle its origin.
+   the container runs, kills the container (`kill`) on any failure, with the
+   rest of its pod (`kill.stop_pod`, through the restorer's records,
+   `node_agent.replicas`), and records the outcome in the plan; once a
+   lazily pulled checkpoint's pages are all in, `restores` asks the store to
+   settle its origin. A page source whose agent is gone does all of this
+   itself. `restores.LazyRestores.report` says how each replica is doing.
 7. After a crash: at start-up, `strays` ends the helpers a dead agent left
    that have no process to serve (`recovery`).
 """

@@ -1,18 +1,29 @@
-"""Killing a lazily restored container whose pages can no longer come.
+"""Killing a lazily restored container whose pages can no longer come, and the rest of its pod with it.
 
 A process whose page source failed must never run on: once the last holder
 of its userfaultfd lets go, the kernel would fill the missing pages with
 zeros. So whoever notices the failure kills every process of the container
 (found through runc's state: its cgroups) while the userfaultfds are still
 held open, and only then lets them go.
+
+A pod restored from one checkpoint never runs half-restored: the pod's other
+restored containers are stopped too (`stop_pod`), each marked failed in the
+agent's records first (`node_agent.replicas`), so that a kubelet seeing one
+exit finds it failed before it could create it again, and each told in its
+CRI log why.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
+
+from node_agent.replicas import Replica, Replicas, sibling_reason, tell
+
+log = logging.getLogger(__name__)
 
 
 def container_cgroups(runc_root: str, container_id: str) -> list[str]:
@@ -42,11 +53,12 @@ def _procs(cgroup: str) -> list[int]:
         return []
 
 
-def kill_container(runc_root: str, container_id: str, timeout: float = 10.0) -> int:
+def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, wait_for_state: bool = True) -> int:
     """SIGKILL every process of the container until none is left; the number signalled.
 
     Waits (up to ``timeout``) for runc's state to appear when the restore
-    that creates it is still running.
+    that creates it is still running; without ``wait_for_state``, a
+    container that has no state (never started) is left as it is.
     """
     deadline = time.monotonic() + timeout
     killed: set[int] = set()
@@ -54,6 +66,8 @@ def kill_container(runc_root: str, container_id: str, timeout: float = 10.0) -> 
     while time.monotonic() < deadline:
         groups = container_cgroups(runc_root, container_id)
         seen_state = seen_state or bool(groups)
+        if not seen_state and not wait_for_state:
+            return 0
         pids = sorted({p for g in groups for p in _procs(g)})
         if seen_state and not pids:
             return len(killed)
@@ -65,3 +79,32 @@ def kill_container(runc_root: str, container_id: str, timeout: float = 10.0) -> 
                 pass
         time.sleep(0.02)
     return len(killed)
+
+
+def stop_pod(replicas: Replicas, runc_root: str, failed: Replica, reason: str, *,
+             wait_for_state: bool = True) -> dict[str, int]:
+    """Stop every restored container of ``failed``'s pod, ``failed`` itself first; processes killed, by container ID.
+
+    In order: each is marked failed (``failed`` for ``reason``, the others
+    naming it), then every process of each is killed (the others' only
+    where they have runc state; ``failed``'s waiting for it unless
+    ``wait_for_state`` is false: a start that failed made none), then each
+    newly marked one's CRI log gets its line. A container marked before (by
+    another agent or page source) is killed again but not told twice.
+    """
+    pod = [failed, *(r for r in replicas.of_sandbox(failed.sandbox) if r.container_id != failed.container_id)]
+    told = []
+    for rep in pod:
+        why = reason if rep is failed else sibling_reason(failed, reason)
+        if replicas.mark_failed(rep, why):
+            told.append((rep, why))
+    killed = {rep.container_id: kill_container(runc_root, rep.container_id,
+                                               wait_for_state=wait_for_state and rep is failed)
+              for rep in pod}
+    for rep, why in told:
+        tell(rep, "node-agent: " + rep.failure_text(why))
+    if len(pod) > 1:
+        log.error("restore of pod %s failed: its restored containers %s were stopped (%s)", failed.pod,
+                  ", ".join(r.container for r in pod), reason,
+                  extra={"pod": failed.pod, "container": failed.container, "phase": "lazy-pages"})
+    return killed

@@ -17,20 +17,31 @@ pulled checkpoint ends well, the store is asked whether every blob is in
 now (`Origins.settle`). A restore that fails cancels the sessions it
 started; an agent that stops ends the sessions not connected yet and lets
 the others go on alone (`shutdown`).
+
+When a connected container's memory cannot be restored, its whole pod's
+restored containers are stopped (`kill.stop_pod`, through the restorer's
+records of the pod, `node_agent.replicas`): the pod's other sessions are
+failed with it, those not started yet end so that their StartContainer
+fails. `report` says how every recorded replica is doing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from criu_bridge.wrapper import FAILED, RESTORED
 from node_agent import errors
 from node_agent.config import Settings
+from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.lazy.session import LazySession
+from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 from node_agent.lazy.support import lazy_restore_support
+from node_agent.replicas import ReplicaState, Replicas, sibling_reason
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.sealing import SealKey
 
@@ -67,8 +78,9 @@ def _remote_access(store: Store, checkpoint_id: str) -> tuple[dict[str, Any] | N
 
 
 class LazyRestores:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, replicas: Replicas | None = None) -> None:
         self.settings = settings
+        self.replicas = replicas if replicas is not None else Replicas(settings.replicas_dir)
         self._support: tuple[bool, str] | None = None
         self._warned = False
         # Sessions started by each restore in flight (by journal op), for its undo.
@@ -113,14 +125,23 @@ class LazyRestores:
             private = await asyncio.to_thread(_private_source, store, record, plan_dir, where, cname)
         hold = await asyncio.to_thread(store.hold, record) if private is None else None
         seal_key = await asyncio.to_thread(_seal_key, store, record)  # a KMS plugin may run: off the event loop
+        replica = self.replicas.get(container_id)
         session = LazySession(self.settings, where, cname, container_id, record.id, plan_dir,
                               store.root if private is None else private.root,
                               origin=origin, passwords=passwords, hold=hold,
                               private_store=private is not None, exists=exists,
-                              seal_key=seal_key)
+                              seal_key=seal_key, sandbox=replica.sandbox if replica is not None else "",
+                              pod_failed=self._pod_failed)
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)
+
+    async def failure(self, op_id: str, container_id: str, wait: float) -> str:
+        """Why the lazy transfer of `container_id` in restore `op_id` failed ("" if it did not)."""
+        for session in self._by_op.get(op_id, []):
+            if session.container_id == container_id:
+                return await session.failure(wait)
+        return ""
 
     def done(self, op_id: str) -> None:
         """The restore `op_id` succeeded: its sessions go on by themselves."""
@@ -143,6 +164,55 @@ class LazyRestores:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pod_failed(self, session: LazySession, reason: str) -> int:
+        """A connected container's memory cannot be restored: stop its pod's restored containers, it first.
+
+        Returns how many of its own processes were killed. The pod's other
+        sessions are failed before their processes die (a transfer that
+        ends because its processes were killed is no success); those not
+        started yet end, so that their StartContainer fails with the reason.
+        """
+        replica = self.replicas.get(session.container_id)
+        if replica is None:  # not recorded (restored before the records): this container alone
+            return await asyncio.to_thread(kill_container, self.settings.runc_root, session.container_id)
+        others = [s for s in self._sessions if s is not session and s.sandbox == replica.sandbox]
+        for other in others:
+            other.stopped_with(sibling_reason(replica, reason))
+        killed = await asyncio.to_thread(stop_pod, self.replicas, self.settings.runc_root, replica, reason)
+        await asyncio.gather(*(o.end(f"{sibling_reason(replica, reason)}; restore the pod again")
+                               for o in others if not o.connected), return_exceptions=True)
+        return killed.get(session.container_id, 0)
+
+    def report(self, runtime: Mapping[str, str] | None) -> list[ReplicaState]:
+        """How every recorded replica is doing (blocking: reads plans).
+
+        ``runtime``: the state of each container by ID as CRI lists it (None
+        when not known now). A replica whose container is gone is left out,
+        unless its restore failed: the failure stays listed with its pod.
+        """
+        progress = {s.container_id: s.progress for s in self._sessions}
+        out = []
+        for rep in self.replicas.all():
+            plan = os.path.join(self.settings.plans_dir, rep.container_id)
+            there = runtime.get(rep.container_id, "") if runtime is not None else None
+            shown = "" if there is None else there.removeprefix("CONTAINER_").lower() or "removed"
+            reason = self.replicas.failure(rep) or _mark(plan, FAILED_FILE) or _mark(plan, FAILED)
+            pages, total = progress.get(rep.container_id) or (0, 0)
+            if reason is not None:
+                state = "failed"
+            elif there == "" or not os.path.isdir(plan):
+                continue  # gone: no longer a replica
+            elif there == "CONTAINER_EXITED":
+                state = "exited"
+            elif rep.lazy and (done := _done(plan)) is not None:
+                state, (pages, total) = "done", done
+            elif not os.path.exists(os.path.join(plan, RESTORED)):
+                state = "created"
+            else:
+                state = "paging-in" if rep.lazy else "running"
+            out.append(ReplicaState(rep, state, reason or "", pages, total, shown))
+        return out
 
     def _track(self, session: LazySession, store: Store) -> None:
         self._sessions.add(session)
@@ -175,3 +245,22 @@ def _seal_key(store: Store, record: CheckpointRecord) -> SealKey | None:
             f"checkpoint {record.id} is encrypted with key id {record.key_id}, which no configured key source has"
         )
     return key
+
+
+def _mark(plan: str, name: str) -> str | None:
+    """A failure mark in a plan (the wrapper's refusal, a page source that ended), or None."""
+    try:
+        with open(os.path.join(plan, name), encoding="utf-8", errors="replace") as fh:
+            return fh.read(8192).strip() or None
+    except OSError:
+        return None
+
+
+def _done(plan: str) -> tuple[int, int] | None:
+    """(pages, total) of a finished transfer (``lazy.done``), or None while it goes on."""
+    try:
+        with open(os.path.join(plan, DONE_FILE), encoding="utf-8") as fh:
+            doc = json.loads(fh.read(8192))
+        return int(doc.get("pages", 0)), int(doc.get("total", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None

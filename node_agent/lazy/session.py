@@ -12,10 +12,11 @@ before StartContainer:
 The session then guards the transfer: it holds a duplicate of every
 userfaultfd the source is handed, so a page source that dies can never make
 the kernel fill the missing pages with zeros. On any failure it kills the
-container's processes first, then lets the duplicates go, then reports the
+container's processes first (and, through `pod_failed`, the pod's other
+restored containers), then lets the duplicates go, then reports the
 failure with the pod, the container, the phase and the source's reason.
 When every page is in, the source exits by itself and the plan's images are
-removed.
+removed. The source reports how many pages are in as it goes (`progress`).
 
 Before the restored process connects, the source serves nothing and must
 not outlive its purpose: it ends when the restore fails (`end`), when the
@@ -45,13 +46,11 @@ from typing import Any
 from node_agent.config import Settings
 from node_agent.lazy.handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
+from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 from node_agent.store.blobs import Ingest
 from node_agent.store.sealing import SealKey
 
 log = logging.getLogger(__name__)
-
-DONE_FILE = "lazy.done"
-FAILED_FILE = "lazy.failed"
 
 
 @dataclass
@@ -87,6 +86,15 @@ class LazySession:
     # The key an encrypted checkpoint is sealed under: handed to the source
     # over its private control socket, never on its command line.
     seal_key: SealKey | None = None
+    # The sandbox the container is in: its pod's other restored containers
+    # are stopped with it when its memory cannot be restored.
+    sandbox: str = ""
+    # Called when the memory of the connected container cannot be restored:
+    # stops the whole pod's restored containers, this one first, and returns
+    # how many of this one's processes were killed.
+    pod_failed: Callable[[LazySession, str], Awaitable[int]] | None = None
+    # (pages in, pages in all) as the source last reported them.
+    progress: tuple[int, int] | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _source: asyncio.subprocess.Process | None = None
@@ -98,10 +106,27 @@ class LazySession:
     _connected: bool = False
     _ending: str = ""  # why the helpers are being ended before a connection
     _quiet: bool = False  # an ending the caller reports itself
+    _stopped: str = ""  # why another container of the pod stopped this one
 
     @property
     def connected(self) -> bool:
         return self._connected
+
+    async def failure(self, wait: float) -> str:
+        """Why the transfer failed ("" if it did not, or not within `wait` seconds).
+
+        For a StartContainer that failed: when the restore had connected, the
+        page source's own account (a chunk that failed verification, a
+        registry gone) is the reason, not what CRIU logged as it was cut off.
+        """
+        if self._connected and not self._finished.is_set():
+            try:
+                async with asyncio.timeout(wait):
+                    await self._finished.wait()
+            except TimeoutError:
+                return ""
+        outcome = self.outcome
+        return outcome.message if outcome is not None and not outcome.ok and not self._removed else ""
 
     @property
     def where(self) -> str:
@@ -162,7 +187,10 @@ class LazySession:
             keys = [] if self.seal_key is None else [
                 {"id": self.seal_key.key_id, "key": base64.b64encode(self.seal_key.secret).decode()}]
             ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords, "keys": keys,
-                                      "registry": self.settings.registry.as_mapping()}) + "\n").encode())
+                                      "registry": self.settings.registry.as_mapping(),
+                                      "lazy_fetch": self.settings.timeouts.lazy_fetch,
+                                      "replicas": self.settings.replicas_dir, "sandbox": self.sandbox})
+                          + "\n").encode())
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
@@ -232,6 +260,9 @@ class LazySession:
             event = await reader.next()
             self._held.extend(reader.fds)
             reader.fds.clear()
+            if event is not None and event.get("event") == "progress":
+                self.progress = (int(event.get("pages", 0)), int(event.get("total", 0)))
+                continue
             if event is None or event.get("event") != "uffd":
                 break
         if event is not None and event.get("event") == "done":
@@ -240,6 +271,8 @@ class LazySession:
                 self._ctrl.sendall(b"released\n")
             except OSError:
                 pass
+            if self._stopped:  # its processes were killed with the pod: over, but not restored
+                return Outcome(False, f"{self._stopped}; the container was stopped")
             pages = int(event.get("pages", 0))
             return Outcome(True, pages=pages, total=int(event.get("total", pages)),
                            seconds=float(event.get("seconds", 0.0)))
@@ -247,7 +280,10 @@ class LazySession:
             str(event.get("message")) if event is not None and event.get("event") == "error"
             else f"the page source exited mid-transfer ({await self._source_exit()})"
         )
-        killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
+        if self.pod_failed is not None and not self._stopped:
+            killed = await self.pod_failed(self, reason)
+        else:
+            killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
         try:
             self._ctrl.sendall(b"killed\n")
         except OSError:
@@ -339,6 +375,10 @@ class LazySession:
             self._source.kill()
         await self._finished.wait()
 
+    def stopped_with(self, reason: str) -> None:
+        """Another restored container of the pod failed: this one's processes are being killed, and it is failed too."""
+        self._stopped = self._stopped or reason
+
     async def cancel(self) -> None:
         """Stop waiting for a restore that will not come (the restore failed)."""
         await self.end("the restore failed before the container was started")
@@ -353,6 +393,12 @@ class LazySession:
                 me = asyncio.current_task()
                 if me is not None and me.cancelling():
                     raise
+            finally:
+                # The source learns that the agent is gone (also when the guard never got to run).
+                self._close_conn()
+                self._close_ctrl()
+                if self._ctrl is not None:
+                    self._ctrl.close()
 
 
 def _bind_in(sock: socket.socket, directory: str, name: str) -> None:

@@ -19,13 +19,22 @@ Control channel (inherited Unix stream socket), JSON lines to the agent:
   (SCM_RIGHTS), sent before any of its faults is served: the agent keeps a
   duplicate, so a source that crashes or is killed never lets the kernel
   fill the missing pages with zeros.
+* ``{"event": "progress", "pages": N, "total": M}``: every second of the
+  transfer, how many pages are in.
 * ``{"event": "done", ...}``: every page is in. The source answers the
   last faults (zero pages) until the agent answers ``released`` (it closed
   its duplicates) or goes away.
 * ``{"event": "error", "message": ...}``: serving is impossible (a bad or
-  missing chunk, a failed copy). The userfaultfds stay open until the agent
-  answers ``killed`` (it has killed the container) or goes away, and then
-  this process kills the container itself.
+  missing chunk, a chunk the registry did not give within
+  ``timeouts.lazy-fetch``, a failed copy). The userfaultfds stay open until
+  the agent answers ``killed`` (it has stopped the pod's restored
+  containers) or goes away, and then this process stops them itself
+  (`kill.stop_pod`).
+
+Whoever is there when the transfer ends writes its outcome: the agent, or,
+when the agent is gone, this process: ``lazy.done`` in the plan, and the
+lazily pulled checkpoint's origin record goes once every blob of it is in
+(`Origins.settle`).
 """
 
 from __future__ import annotations
@@ -50,14 +59,19 @@ from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import PAGE_SIZE, ChunkCache, SourceError
 from node_agent.lazy.handler import SOCKET_NAME, Handler
-from node_agent.lazy.kill import kill_container
+from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.registry.fetching import RemoteBlobs
+from node_agent.replicas import Replicas
 from node_agent.store import Store
 from node_agent.store.sealing import SealKey, StaticKeyring
 
 log = logging.getLogger("node_agent.lazy.source")
 
 RELEASE_WAIT = 10.0
+PROGRESS_EVERY = 1.0
+# The outcome in the plan: written by the agent's session, or by this process when the agent is gone.
+DONE_FILE = "lazy.done"
+FAILED_FILE = "lazy.failed"
 
 
 class Source:
@@ -159,15 +173,65 @@ def _wait_for(ctrl: socket.socket, word: bytes, timeout: float | None) -> bool:
         ctrl.settimeout(None)
 
 
-def _released(ctrl: socket.socket) -> bool:
-    """Whether the agent has let go of its duplicates (it said so, or it is gone); does not wait."""
+class _Agent:
+    """What the agent said after ``done``: ``released``, or nothing because it is gone."""
+
+    def __init__(self, ctrl: socket.socket) -> None:
+        self.ctrl = ctrl
+        self.gone = False
+
+    def released(self) -> bool:
+        """Whether the agent has let go of its duplicates (it said so, or it is gone); does not wait."""
+        try:
+            data = self.ctrl.recv(64, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            self.gone = True
+            return True
+        self.gone = not data
+        return self.gone or b"released" in data
+
+
+def _report_progress(ctrl: socket.socket, telling: threading.Lock, handler: Handler, over: threading.Event) -> None:
+    while not over.wait(PROGRESS_EVERY):
+        with telling:
+            _tell(ctrl, {"event": "progress", "pages": handler.copied // PAGE_SIZE, "total": handler.total_pages})
+
+
+def _done_alone(store: Store, checkpoint_id: str, images: str, outcome: dict[str, object]) -> None:
+    """The transfer is over and the agent is gone: ``lazy.done``, the images go, the origin record once all is in."""
+    plan_dir = os.path.dirname(os.path.abspath(images))
     try:
-        data = ctrl.recv(64, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
+        with open(os.path.join(plan_dir, DONE_FILE), "w", encoding="utf-8") as fh:
+            json.dump(outcome, fh)
+    except OSError as exc:
+        log.warning("cannot write %s: %s", DONE_FILE, exc.strerror)
+    shutil.rmtree(images, ignore_errors=True)
+    if store.origins.get(checkpoint_id) is None:
+        return
+    try:
+        if store.origins.settle(checkpoint_id):
+            log.info("checkpoint %s: every blob is in the store now", checkpoint_id)
+    except AgentError as exc:  # removed meanwhile: gc prunes its record
+        log.info("checkpoint %s: origin record kept: %s", checkpoint_id, exc)
+
+
+def _stop_alone(args: argparse.Namespace, config: dict[str, object], message: str) -> None:
+    """The memory cannot be restored and the agent is gone: stop the pod's restored containers here."""
+    root, sandbox = config.get("replicas"), config.get("sandbox")
+    replicas = Replicas(root) if isinstance(root, str) and root else None
+    replica = replicas.load(sandbox, args.container_id) if replicas and isinstance(sandbox, str) else None
+    if replicas is None or replica is None:
+        kill_container(args.runc_root, args.container_id)
+    else:
+        stop_pod(replicas, args.runc_root, replica, message)
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(args.images)), FAILED_FILE), "w",
+                  encoding="utf-8") as fh:
+            fh.write(message)
     except OSError:
-        return True
-    return not data or b"released" in data
+        pass
 
 
 def _keys(given: object) -> list[SealKey]:
@@ -202,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ctrl = socket.socket(fileno=args.control_fd)
     listener = socket.socket(fileno=args.listen_fd)
     socket_path = os.path.join(os.path.dirname(os.path.abspath(args.images)), "work", SOCKET_NAME)
+    began = time.monotonic()
     conn: socket.socket | None = None
     source: Source | None = None
     handler: Handler | None = None
+    config: dict[str, object] = {}
+    telling = threading.Lock()  # the restore's reader, the progress reports and the main thread all tell the agent
     try:
         # First line from the agent: what this process may not take from its
         # command line (a lazily pulled checkpoint's origin, as the agent read
@@ -214,8 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         given = config.get("passwords")
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         registry = config.get("registry")
-        store.origins.fetcher = RemoteBlobs(store, passwords=passwords,
-                                    settings=parse_registry(registry) if isinstance(registry, dict) else None)
+        retry_for = config.get("lazy_fetch")
+        store.origins.fetcher = RemoteBlobs(
+            store, passwords=passwords, settings=parse_registry(registry) if isinstance(registry, dict) else None,
+            retry_for=float(retry_for) if isinstance(retry_for, (int, float)) and not isinstance(retry_for, bool)
+            else 60.0)
         origin = config.get("origin")
         if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):
             origin = None
@@ -228,33 +298,45 @@ def main(argv: list[str] | None = None) -> int:
                 os.unlink(socket_path)
         _tell(ctrl, {"event": "connected"})
 
-        telling = threading.Lock()  # the restore's reader and the event loop both hand over
-
         def hand_over(fd: int, task: int) -> None:
             with telling:
                 _tell(ctrl, {"event": "uffd", "task": task}, [fd])
 
         handler = Handler(source.maps, source.files, args.images, hand_over)
         start = time.monotonic()
-        handler.run(conn)
+        over = threading.Event()
+        threading.Thread(target=_report_progress, args=(ctrl, telling, handler, over), name="progress",
+                         daemon=True).start()
+        try:
+            handler.run(conn)
+        finally:
+            over.set()
         took = time.monotonic() - start
         pages = handler.copied // PAGE_SIZE
         log.info("filled %d of %d lazy pages (%d faults) in %.2fs", pages, handler.total_pages, handler.faults, took)
-        _tell(ctrl, {"event": "done", "pages": pages, "total": handler.total_pages, "faults": handler.faults,
-                     "seconds": round(took, 3)})
+        outcome: dict[str, object] = {"pages": pages, "total": handler.total_pages, "transfer_seconds": round(took, 3),
+                                      "seconds": round(time.monotonic() - began, 3)}
+        with telling:
+            _tell(ctrl, {"event": "done", "pages": pages, "total": handler.total_pages, "faults": handler.faults,
+                         "seconds": round(took, 3)})
         deadline = time.monotonic() + RELEASE_WAIT
-        handler.serve_until(lambda: _released(ctrl) or time.monotonic() > deadline, ctrl.fileno())
+        agent = _Agent(ctrl)
+        handler.serve_until(lambda: agent.released() or time.monotonic() > deadline, ctrl.fileno())
+        if agent.gone:
+            _done_alone(store, source.checkpoint_id, args.images, outcome)
         return 0
     except (SourceError, AgentError, pagemap.PagemapError, OSError) as exc:
         copied = handler.copied // PAGE_SIZE if handler is not None else 0
         message = f"{exc} (after {copied} pages)"
         log.error("%s", message)
-        _tell(ctrl, {"event": "error", "message": message})
+        with telling:
+            _tell(ctrl, {"event": "error", "message": message})
         # Keep the userfaultfds open until the container is dead, so that no
-        # page fault is ever answered with a zero page: the agent kills it,
-        # or, when the agent is gone, this process does.
+        # page fault is ever answered with a zero page: the agent kills it
+        # (and the pod's other restored containers), or, when the agent is
+        # gone, this process does.
         if handler is not None and handler.tasks and not _wait_for(ctrl, b"killed", None):
-            kill_container(args.runc_root, args.container_id)
+            _stop_alone(args, config, message)
         return 1
     finally:
         if handler is not None:

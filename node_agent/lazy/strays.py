@@ -19,7 +19,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from criu_bridge.watchdog import alive, proc_starttime
+from criu_bridge.watchdog import alive, proc_argv, proc_starttime
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +30,6 @@ class Helper:
     start: int
     kind: str  # lazy-pages / page-source
     container_id: str
-
-
-def _argv(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return [a.decode(errors="replace") for a in fh.read(1 << 16).split(b"\0") if a]
-    except OSError:
-        return []
 
 
 def _value(argv: list[str], flag: str) -> str | None:
@@ -55,7 +47,7 @@ def helpers(plans_dir: str) -> list[Helper]:
         if not entry.isdigit():
             continue
         pid = int(entry)
-        argv = _argv(pid)
+        argv = proc_argv(pid)
         if "lazy-pages" in argv:
             kind, path = "lazy-pages", _value(argv, "--work-dir")
         elif "node_agent.lazy.source" in argv:

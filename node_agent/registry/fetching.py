@@ -6,17 +6,26 @@ pinned by digest, and how to reach the registry; never a password). When a
 reader needs such a chunk (a lazy restore's page source, mostly), it is
 downloaded, verified against its digest and linked into the store like any
 pulled blob, so each chunk crosses the network once.
+
+A reader that cannot wait for the registry to come back fails at once; a
+page source, whose restored process is already running, retries a fetch
+that failed in transport (the registry refused or dropped the connection,
+did not answer, or answered 5xx) with backoff until ``retry_for`` seconds
+have passed (``timeouts.lazy-fetch``): a registry that goes away for a few
+seconds costs a replica a pause, not its life. A blob that fails
+verification, or an answer that says no (401, 403, 404), is not retried.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from node_agent.config import RegistrySettings
-from node_agent.errors import InvalidArgument
+from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSink, Record
@@ -26,6 +35,10 @@ from node_agent.registry.tally import Tally
 from node_agent.registry.transport import Session
 
 log = logging.getLogger(__name__)
+
+BACKOFF_FIRST: Final = 0.1
+BACKOFF_MAX: Final = 2.0
+"""Waits between tries of a fetch: doubling from the first to the largest, cut to the time left."""
 
 
 class ChunkLike(Protocol):
@@ -59,9 +72,10 @@ class RemoteBlobs:
     Passwords come from ``passwords`` (by ``registry/repository``), held in
     memory by whoever pulled; an origin without one is fetched with its
     username only (or anonymously). ``settings`` (the agent's ``registry:``
-    section) bound each fetch like a pull's; ``timeout``, when given,
-    replaces its ``io-timeout``. A fetch that fails is logged (one warning)
-    and raises.
+    section) bound each try like a pull's; ``timeout``, when given,
+    replaces its ``io-timeout``. ``retry_for`` (seconds, 0: never) is how
+    long a fetch that fails in transport is tried again (see the module's
+    rule). A fetch that fails is logged (one warning) and raises.
     """
 
     def __init__(
@@ -71,11 +85,13 @@ class RemoteBlobs:
         passwords: Mapping[str, str] | None = None,
         timeout: float | None = None,
         settings: RegistrySettings | None = None,
+        retry_for: float = 0.0,
     ) -> None:
         self.store = store
         self.passwords = dict(passwords or {})
         self.timeout = timeout
         self.settings = settings
+        self.retry_for = retry_for
         self._sessions: dict[str, tuple[Session, threading.Lock]] = {}
         self._lock = threading.Lock()
         self.fetched = 0
@@ -95,14 +111,36 @@ class RemoteBlobs:
             return found
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> None:
-        try:
-            session, lock = self._session(origin)
-            with lock, self.store.importer() as importer:
-                _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?", Tally(None))
-        except BaseException as exc:
-            log_failure(log, f"fetch of blob {chunk.digest}", origin.get("reference"), exc)
-            raise
+        start = time.monotonic()
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                session, lock = self._session(origin)
+                with lock, self.store.importer() as importer:
+                    _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?",
+                                 Tally(None))
+                break
+            except (Unavailable, DeadlineExceeded) as exc:
+                left = start + self.retry_for - time.monotonic()
+                if left <= 0:
+                    if tries > 1:
+                        exc = type(exc)(f"{exc}; still failing after {tries} tries in {self.retry_for:g}s "
+                                        "(timeouts.lazy-fetch)")
+                    log_failure(log, f"fetch of blob {chunk.digest}", origin.get("reference"), exc)
+                    raise exc from None
+                if tries == 1:
+                    log.warning("fetch of blob %s from %s failed (%s): %s; trying again for up to %gs "
+                                "(timeouts.lazy-fetch)", chunk.digest, origin.get("reference"), exc.code, exc,
+                                self.retry_for, extra={"phase": "lazy-fetch"})
+                time.sleep(min(left, BACKOFF_FIRST * 2 ** min(tries - 1, 8), BACKOFF_MAX))
+            except BaseException as exc:
+                log_failure(log, f"fetch of blob {chunk.digest}", origin.get("reference"), exc)
+                raise
         self.fetched += 1
+        if tries > 1:
+            log.warning("fetched blob %s from %s after %d tries (%.1fs)", chunk.digest, origin.get("reference"),
+                        tries, time.monotonic() - start, extra={"phase": "lazy-fetch"})
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
 
     def close(self) -> None:

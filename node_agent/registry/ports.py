@@ -85,7 +85,8 @@ class BlobSink(Protocol[R_co]):
     @property
     def origins(self) -> OriginBook: ...
 
-    def importer(self) -> BlobImporter[R_co]: ...
+    def importer(self, *, keep_for: float = 0.0, manifest: str = "", reference: str = "") -> BlobImporter[R_co]:
+        """One import; with ``keep_for``, one that stops unpublished keeps what it brought that many seconds."""
 
     def has_blob(self, digest: str) -> bool: ...
 

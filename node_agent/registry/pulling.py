@@ -8,14 +8,18 @@ into one store import, which verifies it and skips (without a request) the
 blobs it already holds; the import stages the manifest (the checkpoint
 whole, listed nowhere), an ``admit`` callback judges it with the
 signatures fetched and verified before (``referrers``), and only then is it
-published and its signatures attached. A refused admission discards the
-import: nothing of what the pull brought stays. A pull that stopped
-half-way otherwise keeps the blobs it finished (linked into the store as
-each one is verified, kept until garbage collection), so running it again
-fetches only the rest; the import's staging goes with it (a lazy pull's
-origin record, which holds no password, stays for garbage collection). A
-pull that fails, is stopped, refused or runs out of time is logged as one
-warning naming the reference and the reason.
+published and its signatures attached. A refused admission, or a manifest
+or config that is not a valid checkpoint (InvalidArgument), discards the
+import: nothing of what the pull, or an earlier run of it, brought stays. A
+pull that stopped half-way otherwise (the registry, the network, the disk,
+its deadline, its caller) keeps the blobs it finished (linked into the
+store as each one is verified) under a lease kept for
+``registry.partial-pull-ttl`` seconds, across agent restarts, so running it
+again fetches only the rest; garbage collection takes them afterwards. The
+import's staging goes with it (a lazy pull's origin record, which holds no
+password, stays for garbage collection). A pull that fails, is stopped,
+refused or runs out of time is logged as one warning naming the reference
+and the reason.
 """
 
 from __future__ import annotations
@@ -68,7 +72,9 @@ def pull(
     (``max-pull-bytes``); ``min_free_bytes`` (the agent's
     ``min-free-bytes``) stay free on the store's filesystem. Either bound
     crossed is ResourceExhausted, before a byte is written when the
-    manifest shows it. Safe to run again after any failure. A lazy pull
+    manifest shows it. Safe to run again after any failure; what a failed
+    run brought stays ``partial-pull-ttl`` seconds (of ``settings``) for the
+    next run, which fetches only the rest. A lazy pull
     passes ``defer``: given the config blob (digest, size), once it is in
     the store, it names the blobs to leave in the registry; the store
     records the registry as their origin and readers fetch them on demand
@@ -106,34 +112,40 @@ def _pull(
         pinned = f"{reference.registry}/{reference.repository}@{digest}"
         refs = parse_manifest(manifest)
         blobs = unique_blobs((b.digest, b.size) for b in refs)
-        budget = PullBudget(store, str(reference), min_free=min_free_bytes,
-                            max_bytes=(settings or RegistrySettings()).max_pull_bytes)
+        registry = settings or RegistrySettings()
+        budget = PullBudget(store, str(reference), min_free=min_free_bytes, max_bytes=registry.max_pull_bytes)
         config = refs[0]
         if defer is None:
             budget.plan(blobs, "the checkpoint")
         else:
             budget.plan([(config.digest, config.size)], "what a lazy pull brings now")
         deferred: set[str] = set()
-        with store.importer() as importer:
-            if defer is not None:
-                _import_blob(session, importer, config.digest, config.size, digest, Tally(None), budget)
-                deferred = set(defer(config.digest, config.size)) - {config.digest}
-                blobs = [(d, size) for d, size in blobs if d not in deferred]
-                budget.plan([(d, size) for d, size in blobs if d != config.digest], "what a lazy pull brings now")
-                store.origins.remember(digest, recorded_origin(pinned, creds))
-            tally.plan([size for _, size in blobs])
-            tally.report("blobs")
-            for blob_digest, size in blobs:
-                _import_blob(session, importer, blob_digest, size, digest, tally, budget)
-            signatures = referrers.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
-            tally.report("commit")
-            staged = importer.stage(manifest, deferred=deferred)
-            if admit is not None:
-                try:
+        # Stopped half-way (the registry, the network, the disk), it keeps what it brought for a resume.
+        with store.importer(keep_for=registry.partial_pull_ttl, manifest=digest, reference=pinned) as importer:
+            admitting = False
+            try:
+                if defer is not None:
+                    _import_blob(session, importer, config.digest, config.size, digest, Tally(None), budget)
+                    deferred = set(defer(config.digest, config.size)) - {config.digest}
+                    blobs = [(d, size) for d, size in blobs if d not in deferred]
+                    budget.plan([(d, size) for d, size in blobs if d != config.digest], "what a lazy pull brings now")
+                    store.origins.remember(digest, recorded_origin(pinned, creds))
+                tally.plan([size for _, size in blobs])
+                tally.report("blobs")
+                for blob_digest, size in blobs:
+                    _import_blob(session, importer, blob_digest, size, digest, tally, budget)
+                signatures = referrers.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
+                tally.report("commit")
+                staged = importer.stage(manifest, deferred=deferred)
+                if admit is not None:
+                    admitting = True
                     admit(Admission(pinned, staged, tuple(signatures)))
-                except BaseException:
-                    _discard(importer, pinned)  # nothing of it stays: no record, no referrer, no blob it brought
-                    raise
+            except BaseException as exc:
+                if admitting or isinstance(exc, InvalidArgument):
+                    # Refused, or no valid checkpoint: running it again cannot help, and nothing of it stays
+                    # (no record, no referrer, no blob that it or an earlier run of it brought).
+                    _discard(importer, pinned)
+                raise
             record = importer.commit(manifest, deferred=deferred)
         if not deferred:
             store.origins.settle(digest)

@@ -5,7 +5,8 @@ is read. Blobs live at ``blobs/sha256/<hex>`` and never change once linked
 there. New data is written to a writer's own ``ingest/<random>/`` directory,
 which holds a lease (an exclusive flock) and an append-only ``refs`` file
 naming every digest the writer uses; garbage collection keeps every digest
-named by a live lease. This module knows bytes and digests, not checkpoints.
+named by a live lease, or by one kept past its owner until a time
+(``kept``). This module knows bytes and digests, not checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Executor
 from typing import Final
@@ -34,7 +36,7 @@ from node_agent.errors import (
     ResourceExhausted,
 )
 from node_agent.oci import digest_hex, is_hex_digest
-from node_agent.store import codec, sealing
+from node_agent.store import codec, kept, sealing
 from node_agent.store.manifest import Chunk
 
 log = logging.getLogger(__name__)
@@ -547,11 +549,12 @@ class Ingest:
             self._lease_fd = -1
 
 
-def lease_is_live(ingest_dir: str) -> bool:
-    """Whether some writer still holds the lease of ``ingest_dir``.
+def lease_is_live(ingest_dir: str, now: float | None = None) -> bool:
+    """Whether some writer still holds the lease of ``ingest_dir``, or it is kept (``kept``) past ``now``.
 
     Call with the exclusive store lock held: a writer creates its directory
     and takes its lease under the shared lock, so no half-made lease is seen.
+    ``now`` defaults to the current time.
     """
     try:
         fd = os.open(os.path.join(ingest_dir, LEASE_NAME), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
@@ -565,15 +568,15 @@ def lease_is_live(ingest_dir: str) -> bool:
         raise
     finally:
         os.close(fd)
-    return False
+    return kept.until(ingest_dir) > (time.time() if now is None else now)
 
 
-def live_refs(ingest_root: str) -> set[str]:
-    """Digests named by every live lease (call under the exclusive store lock)."""
+def live_refs(ingest_root: str, now: float | None = None) -> set[str]:
+    """Digests named by every live or kept lease (call under the exclusive store lock)."""
     refs: set[str] = set()
     with os.scandir(ingest_root) as it:
         dirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
     for path in dirs:
-        if lease_is_live(path):
+        if lease_is_live(path, now):
             refs |= scan_digests(os.path.join(path, REFS_NAME))
     return refs

@@ -194,10 +194,17 @@ class Store:
         except OSError as exc:
             raise os_error(exc, f"creating a writer in {self.ingest_dir}") from exc
 
-    def importer(self) -> BlobImporter:
-        """Start importing a checkpoint's blobs and manifest (takes a lease in ``ingest/``)."""
+    def importer(self, *, keep_for: float = 0.0, manifest: str = "", reference: str = "") -> BlobImporter:
+        """Start importing a checkpoint's blobs and manifest (takes a lease in ``ingest/``).
+
+        With ``keep_for`` (seconds) and ``manifest`` (the digest imported;
+        ``reference``: where from, for people), an import that stops without
+        publishing or discarding keeps what it brought that long, so that
+        running it again resumes (``store/kept.py``).
+        """
         try:
-            return BlobImporter(self.blobs, self.index, self.origins, self.collector, ingest_dir=self.ingest_dir)
+            return BlobImporter(self.blobs, self.index, self.origins, self.collector, ingest_dir=self.ingest_dir,
+                                keep_for=keep_for, manifest=manifest, reference=reference)
         except OSError as exc:
             raise os_error(exc, f"creating an importer in {self.ingest_dir}") from exc
 
@@ -440,7 +447,8 @@ class Store:
     def gc(self, policy: RetentionPolicy | None = None, *, dry_run: bool = False, now: float | None = None) -> GcReport:
         """Unpublish the checkpoints ``policy`` drops (oldest first), then delete unreachable blobs.
 
-        Also removes ingest directories whose lease is gone. With
+        Also removes ingest directories whose lease is gone (a kept lease:
+        once its time is before ``now``, the current time by default). With
         ``dry_run`` nothing is touched and the report says what would go.
         Checkpoints that fail to load are never dropped by a policy (and
         their blobs are kept); ``recover`` quarantines them.

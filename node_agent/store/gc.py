@@ -4,8 +4,9 @@ Rule: a blob that anything may still need is never removed. Reachability is
 a safe superset: every ``sha256:<hex>`` string found in a published
 manifest's raw bytes and in its config blob's raw bytes (so it works even
 for documents that fail validation), nested indexes followed, plus every
-digest a live writer or importer lease names and every digest in the
-quarantine. Retention only picks which published checkpoints to unpublish,
+digest a live writer or importer lease names (or one kept until a time by
+an import that stopped half-way, ``kept``: until then) and every digest in
+the quarantine. Retention only picks which published checkpoints to unpublish,
 by what the store itself recorded (when each was received, whether it was
 made here), never by what a checkpoint says of itself, so checkpoints that
 came from elsewhere cannot push out the node's own; unpublishing comes
@@ -29,7 +30,16 @@ from typing import Any, Final
 
 from node_agent.errors import AgentError, InvalidArgument, NotFound
 from node_agent.oci import MAX_MANIFEST_BYTES, OCI_INDEX_MEDIA_TYPE, digest_hex
-from node_agent.store.blobs import BlobStore, lease_is_live, live_refs, os_error, read_bounded, scan_digests
+from node_agent.store.blobs import (
+    REFS_NAME,
+    BlobStore,
+    lease_is_live,
+    live_refs,
+    os_error,
+    read_bounded,
+    scan_digests,
+)
+from node_agent.store.kept import read as read_kept
 from node_agent.store.index import Index, checkpoint_ids
 from node_agent.store.manifest import is_checkpoint_entry
 from node_agent.store.origins import Origins
@@ -227,7 +237,7 @@ class Collector:
                 kept = without_orphans([e for e in entries if not (is_checkpoint_entry(e) and e["digest"] in dropped)])
                 if len(kept) != len(entries) and not dry_run:
                     self.index.write(kept)
-                removed, freed = self.sweep(kept, dry_run=dry_run)
+                removed, freed = self.sweep(kept, dry_run=dry_run, now=now)
         except OSError as exc:
             raise os_error(exc, f"collecting garbage in {self.root!r}") from exc
         report = GcReport(tuple(dropped), tuple(removed), freed, len(checkpoint_ids(kept)), dry_run)
@@ -254,7 +264,7 @@ class Collector:
                 log.warning("gc keeps unreadable checkpoint %s: %s", cid, exc, extra={"checkpoint": cid})
         ours = {r.id for r in records}
         refs = {r.id: entry_refs(self.blobs, r.id, "") for r in records}
-        base = self._pinned()
+        base = self._pinned(now)
         for entry in entries:
             subject = subject_of(entry)
             if subject in refs:  # a referrer goes with its checkpoint: its blobs count there
@@ -263,9 +273,9 @@ class Collector:
                 base |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
         return select_drops(records, policy, now, refs, self.blobs.sizes(), base)
 
-    def _pinned(self) -> set[str]:
-        """Digests kept whatever the index says: live leases, the quarantine (call under the exclusive lock)."""
-        refs = live_refs(self.ingest_dir)
+    def _pinned(self, now: float | None = None) -> set[str]:
+        """Digests kept whatever the index says: live and kept leases, the quarantine (exclusive lock held)."""
+        refs = live_refs(self.ingest_dir, now)
         for name in _KEEP_DIRS:
             folder = os.path.join(self.root, name)
             try:
@@ -277,39 +287,47 @@ class Collector:
                 refs |= scan_digests(path)
         return refs
 
-    def sweep(self, entries: Sequence[Mapping[str, Any]], *, dry_run: bool) -> tuple[list[str], int]:
+    def sweep(self, entries: Sequence[Mapping[str, Any]], *, dry_run: bool, now: float | None = None
+              ) -> tuple[list[str], int]:
         """Delete every blob nothing reaches and every dead ingest directory (exclusive lock held).
 
-        ``entries`` is the index as it now stands. Returns the digests
-        deleted (or that would be, with ``dry_run``) and the bytes freed.
+        ``entries`` is the index as it now stands; a kept lease lives until
+        its time passes ``now`` (the current time by default). Returns the
+        digests deleted (or that would be, with ``dry_run``) and the bytes
+        freed.
         """
-        keep = self._reachable(entries)
+        keep = self._reachable(entries, now)
         sizes = self.blobs.sizes()
         orphans = sorted(d for d in sizes if d not in keep)
         if dry_run:
             return orphans, sum(sizes[d] for d in orphans)
-        self.remove_dead_ingest()
+        self.remove_dead_ingest(now)
         self.origins.prune([e["digest"] for e in entries])
         return self.blobs.delete(orphans)
 
-    def _reachable(self, entries: Sequence[Mapping[str, Any]]) -> set[str]:
+    def _reachable(self, entries: Sequence[Mapping[str, Any]], now: float | None = None) -> set[str]:
         """Every digest kept: pinned, or reached from ``entries`` (exclusive lock held)."""
-        keep = self._pinned()
+        keep = self._pinned(now)
         for entry in entries:
             keep |= entry_refs(self.blobs, entry["digest"], str(entry.get("mediaType", "")))
         return keep
 
-    def discard(self, digests: Collection[str], *, unpublished: str | None = None) -> list[str]:
+    def discard(self, digests: Collection[str], *, unpublished: str | None = None, manifest: str | None = None
+                ) -> list[str]:
         """Delete those of ``digests`` that nothing reaches; the ones deleted.
 
         For an import that stopped before publishing (``BlobImporter.discard``,
         its lease already gone): the sweep's rule applied to the blobs it
         brought in alone, so blobs stored before it stay whatever reaches
         them. ``unpublished``: the checkpoint it staged, whose origin record
-        goes too unless it is published.
+        goes too unless it is published. ``manifest``: the leases that
+        earlier imports of that manifest kept (``forget_kept``) go too, and
+        the blobs they name count as brought.
         """
         try:
             with self.index.locked(exclusive=True):
+                if manifest is not None:
+                    digests = set(digests) | self._forget_kept(manifest)
                 entries = self.index.read()
                 if unpublished is not None and unpublished not in checkpoint_ids(entries):
                     self.origins.forget(unpublished)
@@ -322,13 +340,43 @@ class Collector:
                      extra={"checkpoint": unpublished} if unpublished else None)
         return removed
 
-    def remove_dead_ingest(self) -> list[str]:
-        """Remove the ingest directories whose lease is gone; their names (exclusive lock held)."""
+    def forget_kept(self, manifest: str) -> set[str]:
+        """End the leases kept by imports of ``manifest`` (published now, or refused); the digests they named."""
+        try:
+            with self.index.locked(exclusive=True):
+                return self._forget_kept(manifest)
+        except OSError as exc:
+            raise os_error(exc, f"ending the kept leases of {manifest}") from exc
+
+    def _forget_kept(self, manifest: str) -> set[str]:
+        """``forget_kept`` with the exclusive lock held (an importer writes its kept record under the shared one)."""
+        named: set[str] = set()
+        with os.scandir(self.ingest_dir) as it:
+            dirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        for path in dirs:
+            note = read_kept(path)
+            if note is not None and note.get("manifest") == manifest:
+                named |= scan_digests(os.path.join(path, REFS_NAME))
+                shutil.rmtree(path, onerror=_vanished_ok)
+                log.info("the lease kept for an earlier import of %s (%s) ended: it is published or refused now",
+                         note.get("reference") or manifest, os.path.basename(path))
+        return named
+
+    def remove_dead_ingest(self, now: float | None = None) -> list[str]:
+        """Remove the ingest directories whose lease is gone (or was kept until before ``now``); their names.
+
+        Call with the exclusive lock held.
+        """
         removed: list[str] = []
         with os.scandir(self.ingest_dir) as it:
             dirs = [e for e in it if e.is_dir(follow_symlinks=False)]
         for entry in dirs:
-            if not lease_is_live(entry.path):
+            if not lease_is_live(entry.path, now):
+                note = read_kept(entry.path)
+                if note is not None and note.get("manifest"):
+                    log.info("the lease kept for the import of %s until %s has ended: the blobs it brought go "
+                             "unless something else needs them", note.get("reference") or note["manifest"],
+                             note.get("until_utc", note["until"]))
                 # A writer deletes its own directory before it drops its lease, and without the
                 # store lock: its lease file may be gone already, and the rest go while this runs.
                 shutil.rmtree(entry.path, onerror=_vanished_ok)

@@ -13,7 +13,10 @@ and the importer's lease keeps its blobs. ``commit`` publishes it in
 ``index.json``; ``discard`` drops it and deletes the blobs this import
 brought in that nothing else reaches (the store's own sweep decides, under
 its lock, with every lease and published record counted), so a checkpoint
-refused before publishing leaves the store as it found it.
+refused before publishing leaves the store as it found it. An importer made
+with ``keep_for`` (a pull) that stops unpublished for any other reason keeps
+its lease that long (``kept``), across restarts, so that running it again
+resumes; publishing or discarding the same manifest later ends those leases.
 """
 
 from __future__ import annotations
@@ -23,17 +26,28 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
 
-from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument
+from node_agent.errors import AgentError, DataLoss, FailedPrecondition, InvalidArgument
 from node_agent.oci import digest_hex, sha256_digest
-from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, BlobStore, Ingest, os_error, write_all
+from node_agent.store.blobs import (
+    BLOB_PREFIX,
+    FILE_MODE,
+    O_CLOEXEC,
+    O_NOFOLLOW,
+    BlobStore,
+    Ingest,
+    os_error,
+    store_lock,
+    write_all,
+)
 from node_agent.store.gc import Collector
 from node_agent.store.index import Index
-from node_agent.store import sealing
+from node_agent.store import kept, sealing
 from node_agent.store.manifest import (
     MAX_BLOB_SIZE,
     CheckpointConfig,
@@ -77,12 +91,20 @@ class BlobImporter:
     """
 
     def __init__(self, blobs: BlobStore, index: Index, origins: Origins, collector: Collector, *,
-                 ingest_dir: str) -> None:
+                 ingest_dir: str, keep_for: float = 0.0, manifest: str = "", reference: str = "") -> None:
         self._blobs = blobs
         self._index = index
         self._origins = origins
         self._collector = collector
         self._ingest = Ingest(ingest_dir, index.lock_path, blobs)
+        # Keep what it brought for this long if it stops unpublished (a pull; see ``abort``).
+        self._keep = (float(keep_for), manifest, reference or manifest) if keep_for > 0 and manifest else None
+        if self._keep is not None:
+            try:
+                kept.reserve(self._ingest.dir)
+            except BaseException:
+                self._ingest.release()
+                raise
         self._state = "open"
         self._lock = threading.Lock()
         self._linked = False
@@ -100,7 +122,7 @@ class BlobImporter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._state != "committed":
-            self.abort()
+            self.abort(exc)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -206,7 +228,7 @@ class BlobImporter:
             if self._linked:
                 self._blobs.sync()
         except BaseException as exc:
-            self.abort()
+            self.abort(exc)
             if isinstance(exc, OSError):
                 raise os_error(exc, "staging an imported checkpoint") from exc
             raise
@@ -237,12 +259,18 @@ class BlobImporter:
             listed = self._index.publish(manifest_digest, len(data), doc.annotations, required,
                                          provenance=provenance or self._provenance)
         except BaseException as exc:
-            self.abort()
+            self.abort(exc)
             if isinstance(exc, OSError):
                 raise os_error(exc, "committing an imported checkpoint") from exc
             raise
         self._ingest.release()
         self._state = "committed"
+        if self._keep is not None:  # what earlier runs of it kept is reached from the index now
+            try:
+                self._collector.forget_kept(self._keep[1])
+            except AgentError as exc:
+                log.warning("imported checkpoint %s: the leases its earlier imports kept stay until they end: %s",
+                            manifest_digest, exc)
         record = self._index.record(manifest_digest, doc, config, listed)
         log.info(
             "imported checkpoint %s (%d blobs added, %d already present)",
@@ -271,11 +299,44 @@ class BlobImporter:
             data = opened
         return decode_config(data, error=InvalidArgument, what=f"{where}: config")
 
-    def abort(self) -> None:
-        """Stop; blobs already verified and linked stay until garbage collection. Idempotent."""
+    def abort(self, reason: BaseException | None = None) -> None:
+        """Stop; blobs already verified and linked stay until garbage collection. Idempotent.
+
+        An importer made with ``keep_for`` that referenced any blob keeps
+        them longer: its lease is kept (``kept``) for ``keep_for`` seconds,
+        even across restarts, so that running the import again resumes;
+        ``reason`` (why it stopped) is noted with it. Where even that fails
+        (an unwritable store), the lease ends as usual.
+        """
         if self._state in ("open", "staged"):
             self._state = "aborted"
-        self._ingest.release()
+            if self._keep is not None and (self.blobs_added or self.blobs_skipped) and self._keep_lease(reason):
+                self._state = "kept"
+        if self._state != "kept":
+            self._ingest.release()
+
+    def _keep_lease(self, reason: BaseException | None) -> bool:
+        """Keep this import's lease until ``keep_for`` seconds from now; whether it is kept."""
+        assert self._keep is not None
+        seconds, manifest, reference = self._keep
+        until = time.time() + seconds
+        why = "" if reason is None else f"{type(reason).__name__}: {reason}".removesuffix(": ")
+        try:
+            for name in os.listdir(self._ingest.dir):  # a blob half-written when it stopped
+                if name.startswith(BLOB_PREFIX):
+                    os.unlink(os.path.join(self._ingest.dir, name))
+            with store_lock(self._index.lock_path, exclusive=False):  # collectors see it whole, or still held
+                path = kept.write(self._ingest.dir, until, {"manifest": manifest, "reference": reference,
+                                                            "reason": why})
+                self._ingest.detach()
+        except OSError as exc:
+            log.warning("import of %s stopped, and what it brought cannot be kept for a resume (%s): "
+                        "it stays until the next garbage collection", reference, exc.strerror or exc)
+            return False
+        log.info("import of %s stopped; the %d blob(s) it brought and the %d it found stored are kept until %s, "
+                 "so that running it again resumes (%s)", reference, self.blobs_added, self.blobs_skipped,
+                 kept.iso(until), path)
+        return True
 
     def discard(self) -> list[str]:
         """Stop, and delete every blob this import brought in that nothing else reaches; their digests.
@@ -284,14 +345,18 @@ class BlobImporter:
         alone, under the exclusive lock: a published checkpoint (this one,
         published before by another pull), another import's, writer's or
         hold's lease keeps what it names, and blobs that were stored before
-        this import began are never touched. The origin recorded for a
-        staged checkpoint goes too, unless it is published. After a crash
-        the same is left to ``recover``.
+        this import began are never touched, but for those that only the
+        leases kept by earlier imports of the same manifest (``keep_for``)
+        reached: those leases end, and what they named counts as brought.
+        The origin recorded for a staged checkpoint goes too, unless it is
+        published. After a crash the same is left to ``recover``.
         """
         if self._state == "committed":
             raise FailedPrecondition("blob importer is already committed")
         staged = self._staged[0] if self._staged is not None else None
-        self.abort()
+        self._state = "aborted"
+        self._ingest.release()  # a kept lease too
         with self._lock:
             brought = sorted(self._brought)
-        return self._collector.discard(brought, unpublished=staged)
+        return self._collector.discard(brought, unpublished=staged,
+                                       manifest=self._keep[1] if self._keep is not None else None)

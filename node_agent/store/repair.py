@@ -2,8 +2,8 @@
 
 Rule: repair only removes what nothing can need and moves aside what fails
 to load; it never deletes a checkpoint's documents. Under the exclusive
-store lock it removes ingest directories whose lease is dead and stray
-files; a checkpoint whose manifest or config fails to load is unpublished
+store lock it removes ingest directories whose lease is dead (and not kept
+past its owner: ``kept``) and stray files; a checkpoint whose manifest or config fails to load is unpublished
 and its index record and manifest bytes are kept under ``quarantine/``
 (their blobs stay reachable from there); an unreadable ``index.json`` is
 moved to the quarantine and rebuilt from the manifest blobs found in the

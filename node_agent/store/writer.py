@@ -354,8 +354,9 @@ class CheckpointWriter:
             self._expected += st.st_size
         try:
             chunks = self._pipeline.add_fd(fd, st.st_size, self._report)
-        except OSError as exc:
-            raise os_error(exc, f"reading {where!r} for {path!r}") from exc
+        except OSError as exc:  # reading the source; or the store's disk is full under its chunks
+            doing = "storing" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "reading"
+            raise os_error(exc, f"{doing} {where!r} for {path!r}") from exc
         size = sum(c.size for c in chunks)
         self._entries[path] = _PendingFile(path, mode, chunks, size)
         self._total += size
@@ -394,7 +395,10 @@ class CheckpointWriter:
                 continue
             chunks = []
             for pending in item.chunks:
-                done = pending.future.result()
+                try:
+                    done = pending.future.result()
+                except OSError as exc:  # writing its chunk (a full disk, say)
+                    raise os_error(exc, f"storing {item.path!r}") from exc
                 chunks.append(
                     Chunk(
                         digest=done.digest,

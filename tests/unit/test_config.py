@@ -63,6 +63,22 @@ def test_lazy_restore_setting(tmp_path: Path) -> None:
         load(str(cfg))
 
 
+def test_lazy_fetch_and_after_failed_restore_settings(tmp_path: Path) -> None:
+    s = Settings()
+    assert s.timeouts.lazy_fetch == 60.0 and s.restore.after_failed_restore == "refuse"
+    assert s.replicas_dir == "/var/lib/node-agent/replicas"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("timeouts:\n  lazy-fetch: 5\nrestore:\n  after-failed-restore: start-fresh\n")
+    s = load(str(cfg))
+    assert s.timeouts.lazy_fetch == 5.0 and s.restore.after_failed_restore == "start-fresh"
+    cfg.write_text("restore:\n  after-failed-restore: retry\n")
+    with pytest.raises(InvalidArgument, match="restore.after-failed-restore.*refuse, start-fresh.*'retry'"):
+        load(str(cfg))
+    cfg.write_text("timeouts:\n  lazy-fetch: 0\n")
+    with pytest.raises(InvalidArgument, match="timeouts.lazy-fetch"):
+        load(str(cfg))
+
+
 def test_non_ascii_digits_are_not_a_port() -> None:
     from node_agent.config import host_port
 

@@ -288,8 +288,11 @@ class _Refusing:
     """Stands in for the checkpointer's and restorer's work: validation must stop before it."""
 
     def __init__(self, settings: Any) -> None:
+        from node_agent.replicas import Replicas
+
         self.settings = settings
         self.cri = self
+        self.replicas = Replicas(settings.replicas_dir)  # the restorer's records of restored containers
 
     async def list_pods(self) -> list[Any]:
         return []

@@ -84,6 +84,11 @@ def test_the_table_is_the_service() -> None:
     assert {n for n, e in authz.METHODS.items() if e.scope in (authz.Scope.NODE, authz.Scope.AFTERWARDS)} == {
         "GarbageCollect", "ListDevices", "WatchDevices", "Pull"}
     assert authz.METHODS["RekeyCheckpoint"].scope is authz.Scope.CHECKPOINT
+    assert {n for n, e in authz.METHODS.items() if e.scope is authz.Scope.LISTING} == {"ListCheckpoints", "ListRestores"}
+    for name in ("ListCheckpoints", "ListRestores"):  # the listing's items and their namespace field exist
+        items, namespace = authz.METHODS[name].listing
+        listed = SERVICE.methods_by_name[name].output_type.fields_by_name[items]
+        assert listed.is_repeated and listed.message_type.fields_by_name[namespace].type == listed.TYPE_STRING
 
 
 def test_docs_list_every_method_for_tls_and_for_the_socket_group() -> None:
@@ -121,6 +126,9 @@ def _reply(method: Any, store: Store) -> Any:
     if method.name == "ListCheckpoints":
         for rec in store.list():
             out.checkpoints.add(id=rec.id, pod_namespace=rec.metadata["pod"]["namespace"])
+    if method.name == "ListRestores":
+        for rec in store.list():
+            out.restores.add(checkpoint_id=rec.id, pod_namespace=rec.metadata["pod"]["namespace"])
     return out
 
 
@@ -370,8 +378,9 @@ async def test_tls_every_method_scoped_to_one_namespace(node: Node) -> None:
                 assert there[0] == absent[0] == grpc.StatusCode.NOT_FOUND, (there, absent)
                 assert there[1].replace(DNS.id[:10], "<ref>") == absent[1].replace("ef" * 5, "<ref>")
             if scope is authz.Scope.LISTING:
+                items, namespace = entry.listing
                 code, details, answer = await call(ch, name, request(name, {}))
-                assert code == OK and [c.pod_namespace for c in answer.checkpoints] == ["prod"], details
+                assert code == OK and [getattr(c, namespace) for c in getattr(answer, items)] == ["prod"], details
                 assert node.taken() == [(name, request(name, {}))]
                 code, details, _ = await call(ch, name, request(name, {entry.target: "kube-system"}))
                 assert (code, details) == (DENIED, f"{who} may not call {name} for namespace 'kube-system'")

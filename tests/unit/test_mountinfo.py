@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from criu_bridge.errors import BridgeError
-from criu_bridge.mountinfo import Mount, option, parse, parse_root_upperdir, unescape, upperdir_of
+from criu_bridge.mountinfo import Mount, mounts_below, option, parse, parse_root_upperdir, unescape, upperdir_of
+from node_agent.undoing import remove_dir
 
 
 def test_lines_of_the_mountinfo_shape_are_kept_and_unescaped() -> None:
@@ -81,3 +84,32 @@ def test_upperdir_of_this_process() -> None:
             upperdir_of(os.getpid())
     with pytest.raises(BridgeError, match="mount table"):
         upperdir_of(2**22 + 12345)
+
+
+def test_mounts_below_a_directory_deepest_first() -> None:
+    text = (
+        "30 1 0:5 / /plans/c/work/.criu.cgyard.x rw - tmpfs none rw\n"
+        "31 30 0:6 / /plans/c/work/.criu.cgyard.x/memory rw - cgroup none rw,memory\n"
+        "32 1 0:7 / /plans/cc rw - tmpfs none rw\n"
+        "33 1 0:8 / /plans/c\\040d rw - tmpfs none rw\n"
+    )
+    assert mounts_below("/plans/c/", text) == ["/plans/c/work/.criu.cgyard.x/memory", "/plans/c/work/.criu.cgyard.x"]
+
+
+def test_a_plan_with_mounts_left_in_it_is_removed(tmp_path: Path) -> None:
+    """What a CRIU cut off mid-restore leaves: its cgroup yard, a tmpfs with a hierarchy mounted on it."""
+    yard = tmp_path / "plan" / "work" / ".criu.cgyard.AbC123"
+    yard.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(yard)], check=True)
+    try:
+        (yard / "pids").mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "none", str(yard / "pids")], check=True)
+        (yard / "pids" / "tasks").write_text("")
+        assert remove_dir(str(tmp_path / "plan")) == ""
+        assert not (tmp_path / "plan").exists()
+    finally:
+        with open("/proc/self/mountinfo") as fh:
+            left = mounts_below(str(tmp_path), fh.read())
+        for point in left:
+            subprocess.run(["umount", "-l", point], check=False)
+    assert left == []

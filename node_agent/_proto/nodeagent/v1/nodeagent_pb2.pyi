@@ -283,6 +283,48 @@ class GarbageCollectResponse(_message.Message):
     dry_run: bool
     def __init__(self, removed_checkpoints: _Optional[_Iterable[str]] = ..., removed_blobs: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., kept: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
+class ListRestoresRequest(_message.Message):
+    __slots__ = ("pod_namespace",)
+    POD_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    pod_namespace: str
+    def __init__(self, pod_namespace: _Optional[str] = ...) -> None: ...
+
+class RestoredReplica(_message.Message):
+    __slots__ = ("pod_namespace", "pod_name", "pod_sandbox_id", "container", "container_id", "checkpoint_id", "lazy", "state", "reason", "pages_in", "pages_total", "restored", "container_state")
+    POD_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_NAME_FIELD_NUMBER: _ClassVar[int]
+    POD_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PAGES_IN_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_STATE_FIELD_NUMBER: _ClassVar[int]
+    pod_namespace: str
+    pod_name: str
+    pod_sandbox_id: str
+    container: str
+    container_id: str
+    checkpoint_id: str
+    lazy: bool
+    state: str
+    reason: str
+    pages_in: int
+    pages_total: int
+    restored: str
+    container_state: str
+    def __init__(self, pod_namespace: _Optional[str] = ..., pod_name: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., container: _Optional[str] = ..., container_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pages_in: _Optional[int] = ..., pages_total: _Optional[int] = ..., restored: _Optional[str] = ..., container_state: _Optional[str] = ...) -> None: ...
+
+class ListRestoresResponse(_message.Message):
+    __slots__ = ("restores",)
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    restores: _containers.RepeatedCompositeFieldContainer[RestoredReplica]
+    def __init__(self, restores: _Optional[_Iterable[_Union[RestoredReplica, _Mapping]]] = ...) -> None: ...
+
 class RegistryCredentials(_message.Message):
     __slots__ = ("username", "password", "ca_file", "ca_pem", "plain_http", "insecure_skip_verify")
     USERNAME_FIELD_NUMBER: _ClassVar[int]

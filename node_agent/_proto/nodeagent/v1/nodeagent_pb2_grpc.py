@@ -75,6 +75,11 @@ class NodeAgentStub:
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.SerializeToString,
                 response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.FromString,
                 _registered_method=True)
+        self.ListRestores = channel.unary_unary(
+                '/nodeagent.v1.NodeAgent/ListRestores',
+                request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresRequest.SerializeToString,
+                response_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresResponse.FromString,
+                _registered_method=True)
         self.Push = channel.unary_stream(
                 '/nodeagent.v1.NodeAgent/Push',
                 request_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.PushRequest.SerializeToString,
@@ -171,6 +176,15 @@ class NodeAgentServicer:
 
     def GarbageCollect(self, request, context):
         """Apply the retention policy and remove unreferenced blobs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRestores(self, request, context):
+        """The containers restored on this node and how each is doing: waiting
+        for StartContainer, paging in (a lazy restore's memory still comes in),
+        done, running, exited, or failed and why.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,6 +291,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GarbageCollect,
                     request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.FromString,
                     response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.SerializeToString,
+            ),
+            'ListRestores': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRestores,
+                    request_deserializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresRequest.FromString,
+                    response_serializer=nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresResponse.SerializeToString,
             ),
             'Push': grpc.unary_stream_rpc_method_handler(
                     servicer.Push,
@@ -535,6 +554,33 @@ class NodeAgent:
             '/nodeagent.v1.NodeAgent/GarbageCollect',
             nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectRequest.SerializeToString,
             nodeagent_dot_v1_dot_nodeagent__pb2.GarbageCollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRestores(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodeagent.v1.NodeAgent/ListRestores',
+            nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresRequest.SerializeToString,
+            nodeagent_dot_v1_dot_nodeagent__pb2.ListRestoresResponse.FromString,
             options,
             channel_credentials,
             insecure,
