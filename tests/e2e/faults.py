@@ -18,37 +18,33 @@ import select
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tests.e2e.bed import Bed, testbed, wait_for
 
-_GATE = r'''#!{python} -I
-# A fault-injection gate in front of {real}: stops at `{command}` {which} until released.
-import json, os, sys, time
-gate = {gate!r}
-args = sys.argv[1:]
-
-def stops():
-    if {command!r} not in args or not os.path.exists(os.path.join(gate, "armed")):
-        return False
-    if not {marked_only!r}:
-        return True
-    bundle = args[args.index("--bundle") + 1] if "--bundle" in args else os.getcwd()
-    try:
-        with open(os.path.join(bundle, "config.json"), "rb") as fh:
-            return b"node-agent.io/restore-plan" in fh.read()
-    except OSError:
-        return False
-
-if stops():
-    os.unlink(os.path.join(gate, "armed"))  # one call only
-    with open(os.path.join(gate, "reached.tmp"), "w") as fh:
-        json.dump({{"pid": os.getpid(), "argv": args}}, fh)
-    os.rename(os.path.join(gate, "reached.tmp"), os.path.join(gate, "reached"))
-    while not os.path.exists(os.path.join(gate, "release")):
-        time.sleep(0.02)
-os.execv({real!r}, [{real!r}, *args])
+_GATE = r'''
+# A fault-injection gate: stops at `{command}` {which} until released.
+import json as _j, os as _o, sys as _s, time as _t
+def _gate(gate={gate!r}, args=_s.argv[1:]):
+    if {command!r} not in args or not _o.path.exists(_o.path.join(gate, "armed")):
+        return
+    if {marked_only!r}:
+        bundle = args[args.index("--bundle") + 1] if "--bundle" in args else _o.getcwd()
+        try:
+            with open(_o.path.join(bundle, "config.json"), "rb") as fh:
+                if b"node-agent.io/restore-plan" not in fh.read():
+                    return
+        except OSError:
+            return
+    _o.unlink(_o.path.join(gate, "armed"))  # one call only
+    with open(_o.path.join(gate, "reached.tmp"), "w") as fh:
+        _j.dump({{"pid": _o.getpid(), "argv": args}}, fh)
+    _o.rename(_o.path.join(gate, "reached.tmp"), _o.path.join(gate, "reached"))
+    while not _o.path.exists(_o.path.join(gate, "release")):
+        _t.sleep(0.02)
+_gate()
 '''
 
 
@@ -70,10 +66,16 @@ class Gate:
 
     def __enter__(self) -> Gate:
         self.dir.mkdir(parents=True, exist_ok=True)
+        gate = _GATE.format(gate=str(self.dir), command=self.command, marked_only=self.marked_only,
+                            which="of a restored container" if self.marked_only else "")
         if self.in_place:
+            # The agent's own launcher with the gate first: still what the agent takes for its wrapper.
+            original = Path(self.path).read_text()
+            shebang, _, rest = original.partition("\n")
+            text = f"{shebang}\n{gate}{rest}"
             os.replace(self.path, self.real)
-        text = _GATE.format(python=sys.executable, real=self.real, gate=str(self.dir), command=self.command,
-                            which="of a restored container" if self.marked_only else "", marked_only=self.marked_only)
+        else:
+            text = f"#!{sys.executable} -I\n{gate}import os\nos.execv({self.real!r}, [{self.real!r}, *_s.argv[1:]])\n"
         tmp = self.path + ".tmp"
         Path(tmp).write_text(text)
         os.chmod(tmp, 0o755)
@@ -103,13 +105,13 @@ class Gate:
 
 
 @contextlib.contextmanager
-def setting(bed: Bed, key: str, value: str) -> Iterator[Bed]:
-    """The bed's agent restarted with its top-level `key` set to `value`; afterwards as it was."""
+def setting(bed: Bed, values: dict[str, str]) -> Iterator[Bed]:
+    """The bed's agent restarted with these top-level keys set (YAML scalars); afterwards as it was."""
     config = Path(bed.config)
     original = config.read_text()
-    lines = [ln for ln in original.splitlines() if not ln.startswith(f"{key}:")]
+    lines = [ln for ln in original.splitlines() if ln.split(":", 1)[0] not in values]
     bed.stop_agent()
-    config.write_text("\n".join([*lines, f"{key}: {value}"]) + "\n")
+    config.write_text("\n".join([*lines, *(f"{k}: {v}" for k, v in values.items())]) + "\n")
     try:
         bed.start_agent()
         yield bed
@@ -148,6 +150,7 @@ class Blip:
         self.sent_up = self.sent_down = 0  # bytes through, client -> registry and back
         self._cut_up: int | None = None
         self._cut_down: int | None = None
+        self._rate = 0.0  # bytes per second from the registry, 0: as fast as it goes
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = False
@@ -184,6 +187,11 @@ class Blip:
             self._cut_up = None if up is None else self.sent_up + up
             self._cut_down = None if down is None else self.sent_down + down
 
+    def pace(self, bytes_per_second: float) -> None:
+        """Let bytes come from the registry at most this fast (0: as fast as they go): a transfer of a
+        known size then takes a known least time, so that a fault can land in its middle."""
+        self._rate = bytes_per_second
+
     def _count(self, upward: bool, n: int) -> bool:
         """Counts `n` bytes; True when that crosses a cut point."""
         with self._lock:
@@ -209,6 +217,8 @@ class Blip:
                         self.cut()
                         return
                     (b if s is a else a).sendall(data)
+                    if s is b and self._rate:
+                        time.sleep(len(data) / self._rate)
         except OSError:
             return
         finally:
