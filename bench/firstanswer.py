@@ -253,7 +253,7 @@ class FirstAnswer:
         """The agent's Restore with start: `mode` "default" (no lazy option) or "full" (lazy=false),
         into `namespace` (default bench.run's NS_RESTORE)."""
         from bench.run import NOT_STORE, NS_RESTORE, warm
-        from node_agent.lazy.session import DONE_FILE, FAILED_FILE
+        from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 
         ns = namespace or NS_RESTORE
         name = f"r-{label}-{secrets.token_hex(3)}"

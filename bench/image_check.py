@@ -26,6 +26,7 @@ at the end, also on errors and signals.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ from bench import report  # noqa: E402
 from bench.encryption import tree_digest  # noqa: E402
 from bench.run import Bench, BenchError, SrcPod, log, write_docs  # noqa: E402
 from criu_bridge import privileges, taskimages  # noqa: E402
+from node_agent.cri import CriClient  # noqa: E402
 from tests.e2e.bed import CONTAINERD2, container_config  # noqa: E402
 
 DEFAULT_BED = "na-bench-img"
@@ -124,8 +126,8 @@ class ImageCheck:
                 cp, _, _, _ = b.cli("checkpoint", pod.id, "-o", "json")
                 ckpts[kind] = json.loads(cp.stdout)["id"]
                 b.checkpoints.append(ckpts[kind])
-                (cid,) = [c.id for c in b.cri(lambda cri, p=pod.id: cri.list_containers(p))]
-                specs[kind] = dict(b.cri(lambda cri, c=cid: cri.container_status(c)).spec)
+                (cid,) = [c.id for c in b.cri(functools.partial(CriClient.list_containers, pod_id=pod.id))]
+                specs[kind] = dict(b.cri(functools.partial(CriClient.container_status, container_id=cid)).spec)
             for kind, pod in pods.items():
                 b.remove_pod(pod.id)
             self.results["check_alone"] = {k: self._check_alone(c, k, specs[k]) for k, c in ckpts.items()}

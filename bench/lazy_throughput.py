@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from node_agent.lazy import uffd  # noqa: E402
 from node_agent.lazy.chunks import ChunkCache  # noqa: E402
-from node_agent.lazy.handler import Handler  # noqa: E402
+from node_agent.lazy.fault_handler import Handler  # noqa: E402
 from node_agent.lazy.source import Source, accept_restore  # noqa: E402
 from node_agent.store import Store  # noqa: E402
 from tests.unit.test_fault_handler import CHILD, LAZY, PAGE, mm_image, pagemap_image  # noqa: E402

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
-from node_agent import agentlock, errors, handler, signing
+from node_agent import agentlock, errors, runtime_handler, signing
 from node_agent import sdnotify
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import Listeners
@@ -262,13 +262,13 @@ def check_handler_at_start(s: Settings, cri: CriClient) -> Any:
 
     async def check() -> None:
         try:
-            problems = (await handler.inspect(cri, s.runtime_handler)).problems(s)
+            problems = (await runtime_handler.inspect(cri, s.runtime_handler)).problems(s)
         except errors.AgentError as exc:
             log.warning("cannot check the restore handler %r yet: %s", s.runtime_handler, exc,
                         extra={"phase": "handler"})
             return
         if problems:
-            log.warning("restores will be refused: %s; fix: %s", "; ".join(problems), handler.fix_command(s),
+            log.warning("restores will be refused: %s; fix: %s", "; ".join(problems), runtime_handler.fix_command(s),
                         extra={"phase": "handler"})
         else:
             log.info("restore handler %r serves this agent's plans (%s)", s.runtime_handler, s.plans_dir,

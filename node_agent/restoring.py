@@ -32,11 +32,11 @@ from criu_bridge import locks
 from criu_bridge.errors import RuntimeFailure
 from criu_bridge.rpc import CriuClient
 from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
-from node_agent import devshm, errors, handler, hostaccess, podformat, policy, signing
+from node_agent import devshm, errors, hostaccess, podformat, policy, runtime_handler, signing
 from node_agent.config import Settings
 from node_agent.cri import CriClient
 from node_agent.cri.client import RuntimeUnavailable
-from node_agent.interop import criuimg
+from node_agent.interop import imagefacts
 from node_agent.interop.foreign import IMPORTED_FROM
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
@@ -163,7 +163,7 @@ def plan_locks(images: str, mounts: Any) -> list[dict[str, Any]]:
         key=lambda b: len(b[0]), reverse=True,
     )
     out = []
-    for lk in criuimg.file_locks(images):
+    for lk in imagefacts.file_locks(images):
         path = str(lk["path"])
         host = ""
         for dest, src in binds:
@@ -282,7 +282,7 @@ class Restorer:
         await self.preflight(record, saved, req.source)
         # The handler must be this agent's wrapper, or the containers would
         # start fresh from their images: refused before anything is made.
-        await handler.require(self.cri, self.settings, handler_name, f"restore as pod {where}")
+        await runtime_handler.require(self.cri, self.settings, handler_name, f"restore as pod {where}")
 
         phase[0] = "sandbox"
         pod_config = (
@@ -378,13 +378,13 @@ class Restorer:
                     if why:
                         code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
                         raise code(why) from exc
-                    refused = handler.refusal(os.path.join(self.settings.plans_dir, cid))
+                    refused = runtime_handler.refusal(os.path.join(self.settings.plans_dir, cid))
                     if refused is not None:
                         raise refused from exc
                     raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
-                await handler.verify_restored(self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid),
-                                              nonce, where=f"restore of pod {where}, container {cname}",
-                                              handler=handler_name)
+                await runtime_handler.verify_restored(
+                    self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid), nonce,
+                    where=f"restore of pod {where}, container {cname}", handler=handler_name)
                 progress(Progress("start", i + 1, len(created), message=cname))
             started = True
         log.info("checkpoint %s restored as pod %s (%s)", record.id, where, pod_id[:13],

@@ -11,7 +11,7 @@ containerd. Everything is forwarded to containerd byte for byte
   `checkpoint.node-agent.io/restore-from` (`pod_restores`); other pods' calls
   are forwarded untouched;
 - `StartContainer` of a container with a restore plan: forwarded, then
-  verified (`node_agent.handler`): the runtime must have restored it from
+  verified (`node_agent.runtime_handler`): the runtime must have restored it from
   its plan, or it is stopped and the call fails. A restore that fails there
   fails its whole pod (`lazy.kill.stop_pod`), and a container whose restore
   failed is not started;
@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from node_agent import errors, handler, policy
+from node_agent import errors, policy, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.agent import abort_with
@@ -330,7 +330,7 @@ class CriEndpoint:
         """
         cid = cri.StartContainerRequest.FromString(raw).container_id
         plan_dir = os.path.join(self.settings.plans_dir, cid) if valid_id(cid) else ""
-        nonce = handler.plan_nonce(plan_dir) if plan_dir else None
+        nonce = runtime_handler.plan_nonce(plan_dir) if plan_dir else None
         replica = self.replicas.get(cid)
         failed = self.replicas.failure(replica) if replica is not None else None
         if replica is not None and failed is not None:
@@ -345,8 +345,8 @@ class CriEndpoint:
         except (OSError, ValueError, AttributeError):
             where = f"restore of container {cid[:13]}"
         try:
-            await handler.verify_restored(self.checkpointer.cri, self.settings, cid, plan_dir, nonce, where=where,
-                                          handler=self.settings.runtime_handler)
+            await runtime_handler.verify_restored(self.checkpointer.cri, self.settings, cid, plan_dir, nonce,
+                                                  where=where, handler=self.settings.runtime_handler)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             if replica is not None:
                 await self._restore_failed(replica, str(exc))
@@ -369,9 +369,9 @@ class CriEndpoint:
         cid = cri.StartContainerRequest.FromString(raw).container_id
         replica = self.replicas.get(cid)
         plan_dir = os.path.join(self.settings.plans_dir, cid) if valid_id(cid) else ""
-        if replica is None or not plan_dir or handler.plan_nonce(plan_dir) is None:
+        if replica is None or not plan_dir or runtime_handler.plan_nonce(plan_dir) is None:
             return
-        refused = handler.refusal(plan_dir)
+        refused = runtime_handler.refusal(plan_dir)
         await self._restore_failed(replica, str(refused) if refused is not None else
                                    f"StartContainer failed: {exc.details() or exc.code().name}",
                                    wait_for_state=exc.code() in (grpc.StatusCode.CANCELLED,
@@ -417,7 +417,7 @@ class CriListener:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
         claim_socket(self.path, "cri-listen socket")
         self.server.add_insecure_port("unix://" + self.path)
-        from node_agent.api.health import add_operability
+        from node_agent.api.grpc_health import add_operability
 
         await add_operability(self.server, ("runtime.v1.RuntimeService", "runtime.v1.ImageService"))
         await self.server.start()

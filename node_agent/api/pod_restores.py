@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, handler, policy, restoring
+from node_agent import devshm, errors, policy, restoring, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy
@@ -179,7 +179,7 @@ class PodRestores:
             await self.restorer.admit(record, saved, meta.namespace, where)
             check_host_access(record.id, saved, self.settings, allowed=allow)
             await self.restorer.preflight(record, saved)
-            await handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
+            await runtime_handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
             await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here

@@ -106,17 +106,17 @@ def _handler_check(s: Settings) -> Check:
     """Whether containerd's restore handler serves this agent's plans (as `serve` checks before a restore)."""
 
     async def probe() -> list[str]:
-        from node_agent import handler
+        from node_agent import runtime_handler
         from node_agent.cri import CriClient
 
         c = CriClient(s.cri_endpoint, timeout=5)
         try:
-            return (await handler.inspect(c, s.runtime_handler)).problems(s)
+            return (await runtime_handler.inspect(c, s.runtime_handler)).problems(s)
         finally:
             await c.close()
 
     from node_agent import errors
-    from node_agent.handler import fix_command
+    from node_agent.runtime_handler import fix_command
 
     try:
         problems = asyncio.run(probe())

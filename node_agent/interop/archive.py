@@ -37,7 +37,7 @@ from criu_bridge import tarstream
 from criu_bridge.errors import InvalidInput, LimitExceeded
 from node_agent import errors
 from node_agent.interop import common as c
-from node_agent.interop.staging import COPY, Meter, Staged, Staging
+from node_agent.interop.landing import COPY, Meter, Staged, Staging
 
 # Top-level members of other engines' archives that node-agent does not keep (nor stage):
 # the source's container logs (`ctr.log` Podman, `container.log` containerd), containerd's

@@ -34,7 +34,7 @@ from node_agent.interop import common as c
 from node_agent.interop import foreign
 from node_agent.interop.archive import Archive, read_members
 from node_agent.interop.plans import Out, foreign_plan, own_plan
-from node_agent.interop.staging import Meter, Staging, free_bytes
+from node_agent.interop.landing import Meter, Staging, free_bytes
 from node_agent.podformat import manifest_annotations
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.records import IMPORTED

@@ -23,7 +23,7 @@ from criu_bridge.errors import InvalidInput, LimitExceeded
 from node_agent import errors
 from node_agent.interop import common as c
 from node_agent.interop.archive import ZSTD_MAX_WINDOW, Stream, normalize
-from node_agent.interop.staging import COPY, Meter, Staging
+from node_agent.interop.landing import COPY, Meter, Staging
 
 # containerd's rootfs-diff.tar is an OCI image layer: deletions are empty files named
 # ".wh.<name>", and ".wh..wh..opq" marks its directory opaque.

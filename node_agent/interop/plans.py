@@ -8,7 +8,7 @@ Two kinds of archive:
   pod's paths and what its configs would reach on the host;
 - another engine's (Podman, CRI-O, containerd): the CRI configs are built by
   `foreign.synthesize`, the CPU description is this node's, and the root
-  directory's mode is dropped from CRIU's files.img (`criuimg`). containerd's
+  directory's mode is dropped from CRIU's files.img (`imagefacts`). containerd's
   writable layer becomes a diff (`layer`); its status.dump is read, bounded,
   for the container's name.
 
@@ -32,10 +32,10 @@ from typing import Any
 from criu_bridge import tarstream
 from node_agent import errors, podformat
 from node_agent.interop import common as c
-from node_agent.interop import criuimg, foreign
+from node_agent.interop import foreign, imagefacts
 from node_agent.interop.archive import IGNORED_TOP, check_nested_tar
 from node_agent.interop.layer import layer_to_diff, unique
-from node_agent.interop.staging import Meter, Staged, Staging
+from node_agent.interop.landing import Meter, Staged, Staging
 from node_agent.podformat import INTEROP_DIR, METADATA_KIND, parse_options
 from node_agent.store import Store
 
@@ -267,8 +267,8 @@ def foreign_plan(
     files_img = f"{base}/{c.CHECKPOINT_DIR}/files.img"
     if files_img in by_path and by_path[files_img].staged:
         old = by_path[files_img]
-        data = staging.read(old.staged or "", criuimg.MAX_FILES_IMG, "files.img")
-        relaxed, _changed = criuimg.relax_root_dir_mode(data)
+        data = staging.read(old.staged or "", imagefacts.MAX_FILES_IMG, "files.img")
+        relaxed, _changed = imagefacts.relax_root_dir_mode(data)
         plan[plan.index(old)] = Out(files_img, old.mode, data=relaxed)
     deleted_path, opaque_path = f"{base}/{c.DELETED_FILES}", f"{base}/{c.OPAQUE_DIRS}"
     deleted = _path_list(staging, by_path.get(deleted_path), c.DELETED_FILES, limits)

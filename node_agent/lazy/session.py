@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node_agent.config import Settings
-from node_agent.lazy.handler import SOCKET_NAME
+from node_agent.lazy.fault_handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 from node_agent.store.blobs import Ingest

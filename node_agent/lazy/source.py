@@ -58,7 +58,7 @@ from node_agent.config import parse_registry
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import PAGE_SIZE, ChunkCache, SourceError
-from node_agent.lazy.handler import SOCKET_NAME, Handler
+from node_agent.lazy.fault_handler import SOCKET_NAME, Handler
 from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replicas

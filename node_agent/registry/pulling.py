@@ -7,7 +7,7 @@ counts every byte again as it arrives. Each blob the store lacks is streamed
 into one store import, which verifies it and skips (without a request) the
 blobs it already holds; the import stages the manifest (the checkpoint
 whole, listed nowhere), an ``admit`` callback judges it with the
-signatures fetched and verified before (``referrers``), and only then is it
+signatures fetched and verified before (``referrers_api``), and only then is it
 published and its signatures attached. A refused admission, or a manifest
 or config that is not a valid checkpoint (InvalidArgument), discards the
 import: nothing of what the pull, or an earlier run of it, brought stays. A
@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Generator
 from node_agent.config import DEFAULT_MIN_FREE_BYTES, RegistrySettings
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
 from node_agent.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
-from node_agent.registry import referrers
+from node_agent.registry import referrers_api
 from node_agent.registry.auth import Credentials
 from node_agent.registry.budget import PullBudget
 from node_agent.registry.failures import log_failure
@@ -134,7 +134,7 @@ def _pull(
                 tally.report("blobs")
                 for blob_digest, size in blobs:
                     _import_blob(session, importer, blob_digest, size, digest, tally, budget)
-                signatures = referrers.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
+                signatures = referrers_api.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
                 tally.report("commit")
                 staged = importer.stage(manifest, deferred=deferred)
                 if admit is not None:

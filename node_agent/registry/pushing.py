@@ -4,7 +4,7 @@ Blobs first (a HEAD on each, an upload only where the registry lacks it),
 the manifest last, so a registry never holds a manifest whose blobs are
 missing, and a push that stopped half-way uploads only what is still missing
 when it is run again. The checkpoint's referrers (its signatures) follow it
-(``referrers``). A push that fails, is stopped or runs out of time is
+(``referrers_api``). A push that fails, is stopped or runs out of time is
 logged as one warning naming the reference and the reason.
 """
 
@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 from node_agent.config import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
 from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE, sha256_digest
-from node_agent.registry import referrers
+from node_agent.registry import referrers_api
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSource, ProgressCallback, PushReport
@@ -100,10 +100,10 @@ def _push_referrers(session: Session, store: BlobSource, digest: str) -> int:
     """The checkpoint's referrers (its signatures) after it: their blobs, then each manifest by digest."""
     found = store.referrers(digest)
     for _, manifest in found:
-        for blob in referrers.describe(manifest)[1]:
+        for blob in referrers_api.describe(manifest)[1]:
             if not _registry_has(session, blob.digest):
                 _upload(session, store, blob.digest, blob.size, Tally(None))
-        referrers.put_referrer(session, manifest, digest)
+        referrers_api.put_referrer(session, manifest, digest)
     return len(found)
 
 

@@ -54,7 +54,7 @@ class Bed:
 
     @property
     def endpoint(self) -> str:
-        return "unix://" + self.info["containerd_socket"]
+        return "unix://" + str(self.info["containerd_socket"])
 
     @property
     def runc_root(self) -> str:

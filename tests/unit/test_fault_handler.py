@@ -27,7 +27,7 @@ import pytest
 from criu_bridge.criuimg import encode_varint as _varint
 from node_agent.lazy import pagemap
 from node_agent.lazy.chunks import SourceError
-from node_agent.lazy.handler import Handler
+from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
 from node_agent.store import Store
 
@@ -185,7 +185,7 @@ def test_fork_remove_and_mremap_while_pages_are_missing(restored: Restored) -> N
             except FileExistsError:
                 pass  # fetched by another reader meanwhile
 
-    origin = {"reference": "registry.test/ckpt@" + r.checkpoint}
+    origin: dict[str, object] = {"reference": "registry.test/ckpt@" + r.checkpoint}
     r.store.origins.remember(r.checkpoint, origin)
     r.store.origins.fetcher = fetcher
     source = Source(r.store, r.checkpoint, "c", str(r.images), origin)

@@ -28,7 +28,7 @@ from criu_bridge.errors import BridgeError
 from criu_bridge.wrapper import Call
 from node_agent import errors, hostaccess
 from node_agent.config import from_mapping
-from node_agent.interop import criuimg
+from node_agent.interop import imagefacts
 from node_agent.lazy import pagemap
 from node_agent.store import manifest as store_manifest
 
@@ -203,9 +203,9 @@ def test_criu_images(tmp_path_factory: pytest.TempPathFactory, data: st.DataObje
              "files.img": _img(img.FILES_MAGIC, [b"\x08\x01\x10\x28\x1a\x08\x08\x28\x32\x04/a/b"])}
     for name, seed in seeds.items():
         (d / name).write_bytes(data.draw(st.one_of(mutations(seed), st.binary(max_size=100))))
-    only_agent_errors(lambda: criuimg.file_locks(str(d)))
+    only_agent_errors(lambda: imagefacts.file_locks(str(d)))
     files = data.draw(mutations(seeds["files.img"]))
-    only_agent_errors(lambda: criuimg.relax_root_dir_mode(files))
+    only_agent_errors(lambda: imagefacts.relax_root_dir_mode(files))
 
 
 @FAST

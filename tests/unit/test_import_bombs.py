@@ -27,7 +27,7 @@ import pytest
 import zstandard
 
 from node_agent import errors, interop
-from node_agent.interop import archive, common, importing, layer, plans, staging
+from node_agent.interop import archive, common, importing, landing, layer, plans
 from node_agent.interop.common import ImportLimits
 from tests.unit.test_interop import (
     Env,
@@ -108,7 +108,7 @@ def watch(env: Env, monkeypatch: pytest.MonkeyPatch) -> Watch:
     proxy.write = w.write  # type: ignore[attr-defined]
     proxy.fstatvfs = w.fstatvfs  # type: ignore[attr-defined]
     proxy.statvfs = w.statvfs  # type: ignore[attr-defined]
-    for module in (importing, archive, staging, layer, plans):
+    for module in (importing, archive, landing, layer, plans):
         monkeypatch.setattr(module, "os", proxy)
     return w
 
@@ -503,9 +503,9 @@ def test_staged_bytes_count_against_max_total_bytes(env: Env, watch: Watch) -> N
     # The staging meter itself, below the declared-size check: every write is counted.
     limits = ImportLimits(max_total_bytes=10 * MiB, min_free_bytes=0)
     bounds = limits.bounds(GiB)
-    area = staging.Staging(str(env.root / "store" / "work"))
+    area = landing.Staging(str(env.root / "store" / "work"))
     try:
-        meter = staging.Meter(area.fd, "work", limits, bounds)
+        meter = landing.Meter(area.fd, "work", limits, bounds)
         meter.admit("'m'", 8 * MiB)
         for i in range(8):
             meter.charge("'m'", MiB, i * MiB, 8 * MiB)

@@ -20,7 +20,7 @@ from google.protobuf.internal.encoder import _VarintBytes
 from criu_bridge import criuimg as img
 from node_agent import errors, interop
 from node_agent.podformat import METADATA_KIND
-from node_agent.interop import criuimg
+from node_agent.interop import imagefacts
 from node_agent.interop.common import ImportLimits, dns_label
 from node_agent.store import CheckpointRecord, Store
 
@@ -674,15 +674,15 @@ def test_relax_root_dir_mode_touches_only_the_root_entry() -> None:
     other_dir = _reg(b"/data", 0o40755, 3)
     pipe = _field(1, 2) + _field(2, 9) + _field(4, _field(1, 9))
     img = files_img([busybox, _reg(b"/", 0o40555, 2), pipe, other_dir])
-    out, changed = criuimg.relax_root_dir_mode(img)
+    out, changed = imagefacts.relax_root_dir_mode(img)
     assert changed == 1
     assert out.count(_field(10, 0o40555)) == 0
     assert busybox in out and pipe in out and other_dir in out
-    assert criuimg.relax_root_dir_mode(out) == (out, 0)
+    assert imagefacts.relax_root_dir_mode(out) == (out, 0)
     with pytest.raises(errors.InvalidArgument, match="magic"):
-        criuimg.relax_root_dir_mode(b"\0" * 16)
+        imagefacts.relax_root_dir_mode(b"\0" * 16)
     with pytest.raises(errors.InvalidArgument, match="truncated"):
-        criuimg.relax_root_dir_mode(img[:-3])
+        imagefacts.relax_root_dir_mode(img[:-3])
 
 
 def test_stats_dump_in_both_places_keeps_the_images_copy(env: Env) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from criu_bridge import criuimg as img
 from criu_bridge import locks
-from node_agent.interop import criuimg
+from node_agent.interop import imagefacts
 from node_agent.restoring import plan_locks
 from tests.unit.test_interop import _field as _f
 
@@ -23,9 +23,9 @@ def _images(d: Path) -> Path:
     """Two processes: pid 1 holds an flock on /vol/app.lock (fd 5), pid 7 a POSIX read lock on /db/x (fd 3)."""
     d.mkdir()
     (d / "filelocks.img").write_bytes(_img(img.FILE_LOCKS_MAGIC, [
-        _f(1, criuimg.FL_FLOCK) + _f(2, 1) + _f(3, 1) + _f(4, 5) + _f(5, 0) + _f(6, 0),
-        _f(1, criuimg.FL_POSIX) + _f(2, 0) + _f(3, 7) + _f(4, 3) + _f(5, 100) + _f(6, 10),
-        _f(1, criuimg.FL_LEASE) + _f(2, 1) + _f(3, 7) + _f(4, 3) + _f(5, 0) + _f(6, 0),
+        _f(1, imagefacts.FL_FLOCK) + _f(2, 1) + _f(3, 1) + _f(4, 5) + _f(5, 0) + _f(6, 0),
+        _f(1, imagefacts.FL_POSIX) + _f(2, 0) + _f(3, 7) + _f(4, 3) + _f(5, 100) + _f(6, 10),
+        _f(1, imagefacts.FL_LEASE) + _f(2, 1) + _f(3, 7) + _f(4, 3) + _f(5, 0) + _f(6, 0),
     ]))
     # CRIU 4.2 writes ids-<pid>.img; the ids may also sit inside core-<pid>.img.
     ids = _f(1, 1) + _f(2, 11) + _f(3, 1) + _f(4, 1)
@@ -40,12 +40,12 @@ def _images(d: Path) -> Path:
 
 
 def test_file_locks_are_read_from_the_images(tmp_path: Path) -> None:
-    got = criuimg.file_locks(str(_images(tmp_path / "img")))
+    got = imagefacts.file_locks(str(_images(tmp_path / "img")))
     assert got == [
         {"path": "/vol/app.lock", "kind": "flock", "write": True, "start": 0, "len": 0, "pid": 1, "fd": 5},
         {"path": "/db/x", "kind": "posix", "write": False, "start": 100, "len": 10, "pid": 7, "fd": 3},
     ]
-    assert criuimg.file_locks(str(tmp_path)) == []  # no filelocks.img: no locks
+    assert imagefacts.file_locks(str(tmp_path)) == []  # no filelocks.img: no locks
 
 
 def test_only_locks_on_mounted_host_paths_get_a_host_path(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from node_agent.recovery import _settle_helpers, recover
 from node_agent.restoring import RestoreRequest, Restorer
 from node_agent.store import Store
 from node_agent.undoing import RESTORE_OP, Undoer, sandbox_record
-from test_handler import _status
+from test_runtime_handler import _status
 from test_interop import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

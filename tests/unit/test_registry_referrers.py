@@ -1,4 +1,4 @@
-"""Signatures through registries: push and pull of a checkpoint's referrers (node_agent.registry.referrers).
+"""Signatures through registries: push and pull of a checkpoint's referrers (node_agent.registry.referrers_api).
 
 A small in-memory registry on loopback plays both kinds of registry: one
 with the OCI 1.1 referrers API (it answers a manifest with a subject with
@@ -30,7 +30,7 @@ from node_agent.config import from_mapping
 from node_agent.errors import FailedPrecondition, PermissionDenied
 from node_agent.oci import OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry import Credentials, pull, push
-from node_agent.registry.referrers import fallback_tag
+from node_agent.registry.referrers_api import fallback_tag
 from node_agent.store import CheckpointRecord, Store
 
 REPO = Path(__file__).resolve().parents[2]

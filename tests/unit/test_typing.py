@@ -1,4 +1,4 @@
-"""mypy --strict over the project's own code (generated stubs excluded)."""
+"""mypy --strict over the package, the benchmarks and the test bed (generated stubs excluded; pyproject.toml lists them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The restore handler as containerd reports it, and the check after StartContainer (node_agent.handler)."""
+"""The restore handler as containerd reports it, and the check after StartContainer (node_agent.runtime_handler)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from criu_bridge import wrapper
-from node_agent import errors, handler
+from node_agent import errors, runtime_handler
 from node_agent.config import Settings
 from node_agent.cri.types import Container, ContainerDetail
 
@@ -55,9 +55,9 @@ def node(tmp_path: Path) -> tuple[Settings, str]:
 
 def test_a_handler_serving_this_agent_passes(node: tuple[Settings, str]) -> None:
     s, launcher = node
-    view = handler.view_from_status(_status(launcher, [wrapper.PLAN_ANNOTATION]), "criu")
+    view = runtime_handler.view_from_status(_status(launcher, [wrapper.PLAN_ANNOTATION]), "criu")
     assert view.binary == launcher and view.serves == s.plans_dir and view.problems(s) == []
-    assert asyncio.run(handler.require(FakeCri(_status(launcher, ["node-agent.io/*"])), s, "criu", "x")).found
+    assert asyncio.run(runtime_handler.require(FakeCri(_status(launcher, ["node-agent.io/*"])), s, "criu", "x")).found
 
 
 def test_a_handler_serving_another_store_is_refused_with_everything_needed_to_fix_it(
@@ -67,7 +67,7 @@ def test_a_handler_serving_another_store_is_refused_with_everything_needed_to_fi
     wrapper.install(str(other), python=sys.executable, runc="/usr/bin/runc", plans_dir=str(tmp_path / "other/plans"))
     s = msgspec.structs.replace(s, config_file="/etc/node-agent/config.yaml")
     with pytest.raises(errors.FailedPrecondition) as e:
-        asyncio.run(handler.require(FakeCri(_status(str(other), [wrapper.PLAN_ANNOTATION])), s, "criu",
+        asyncio.run(runtime_handler.require(FakeCri(_status(str(other), [wrapper.PLAN_ANNOTATION])), s, "criu",
                                     "restore as pod staging/copy"))
     msg = str(e.value)
     for needle in ("restore as pod staging/copy", "'criu'", str(other), str(tmp_path / "other/plans"), s.plans_dir,
@@ -84,22 +84,22 @@ def test_a_handler_serving_another_store_is_refused_with_everything_needed_to_fi
 def test_each_handler_problem_is_named(node: tuple[Settings, str], binary: str | None,
                                        annotations: list[str] | None, needle: str) -> None:
     s, launcher = node
-    problems = handler.view_from_status(_status(launcher if binary is None else binary, annotations), "criu").problems(s)
+    problems = runtime_handler.view_from_status(_status(launcher if binary is None else binary, annotations), "criu").problems(s)
     assert len(problems) == 1 and needle in problems[0], problems
-    missing = handler.view_from_status(_status(launcher, []), "kata")
+    missing = runtime_handler.view_from_status(_status(launcher, []), "kata")
     assert missing.problems(s) == ["containerd has no runtime handler 'kata'"]
 
 
 def test_annotation_patterns_match_as_containerd_does() -> None:
-    assert handler.annotation_matches("node-agent.io/*", wrapper.PLAN_ANNOTATION)
-    assert handler.annotation_matches(wrapper.PLAN_ANNOTATION, wrapper.PLAN_ANNOTATION)
-    assert not handler.annotation_matches("*", wrapper.PLAN_ANNOTATION)  # `*` stops at `/`
-    assert not handler.annotation_matches("node-agent.io", wrapper.PLAN_ANNOTATION)
+    assert runtime_handler.annotation_matches("node-agent.io/*", wrapper.PLAN_ANNOTATION)
+    assert runtime_handler.annotation_matches(wrapper.PLAN_ANNOTATION, wrapper.PLAN_ANNOTATION)
+    assert not runtime_handler.annotation_matches("*", wrapper.PLAN_ANNOTATION)  # `*` stops at `/`
+    assert not runtime_handler.annotation_matches("node-agent.io", wrapper.PLAN_ANNOTATION)
 
 
 def test_a_status_without_a_config_cannot_be_checked() -> None:
     with pytest.raises(errors.FailedPrecondition):
-        handler.view_from_status({}, "criu")
+        runtime_handler.view_from_status({}, "criu")
 
 
 CID = "d" * 64
@@ -118,8 +118,8 @@ def test_a_container_restored_from_its_plan_passes(node: tuple[Settings, str]) -
     s, launcher = node
     plan = _plan(s, {"container_id": CID, "checkpoint": "sha256:1", "nonce": "n1", "pid": 321})
     cri = FakeCri(_status(launcher, [wrapper.PLAN_ANNOTATION]), pid=321)
-    asyncio.run(handler.verify_restored(cri, s, CID, plan, "n1", where="w", handler="criu"))
-    assert cri.stopped == [] and handler.plan_nonce(plan) == "n1"
+    asyncio.run(runtime_handler.verify_restored(cri, s, CID, plan, "n1", where="w", handler="criu"))
+    assert cri.stopped == [] and runtime_handler.plan_nonce(plan) == "n1"
 
 
 def test_a_container_started_without_its_plan_is_stopped_and_fails_precondition(
@@ -128,7 +128,7 @@ def test_a_container_started_without_its_plan_is_stopped_and_fails_precondition(
     plan = _plan(s, None)
     cri = FakeCri(_status(str(tmp_path / "nowhere"), [wrapper.PLAN_ANNOTATION]), pid=99)
     with pytest.raises(errors.FailedPrecondition) as e:
-        asyncio.run(handler.verify_restored(cri, s, CID, plan, "n1", where="restore of pod ns/p, container app",
+        asyncio.run(runtime_handler.verify_restored(cri, s, CID, plan, "n1", where="restore of pod ns/p, container app",
                                             handler="criu"))
     assert cri.stopped == [CID]
     msg = str(e.value)
@@ -147,5 +147,5 @@ def test_a_restore_record_that_does_not_match_stops_the_container(
     plan = _plan(s, record)
     cri = FakeCri(_status(launcher, [wrapper.PLAN_ANNOTATION]), pid=pid)
     with pytest.raises(errors.Internal) as e:
-        asyncio.run(handler.verify_restored(cri, s, CID, plan, "n1", where="w", handler="criu"))
+        asyncio.run(runtime_handler.verify_restored(cri, s, CID, plan, "n1", where="w", handler="criu"))
     assert needle in str(e.value) and cri.stopped == [CID]
