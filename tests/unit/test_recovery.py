@@ -206,6 +206,46 @@ async def test_containerd_dying_at_start_leaves_nothing_once_it_answers_again(
     assert f"undo of restore {entry.op_id} (pod team/copy) done: its sandboxes and plans are removed" in caplog.text
 
 
+class Refusing(Containerd):
+    """StartContainer as it ends when the restore wrapper refuses: its `failed` mark in the plan, an error."""
+
+    def __init__(self, shm: Path, plans: str) -> None:
+        super().__init__(shm)
+        self.plans = plans
+
+    async def start_container(self, container_id: str, *, timeout: float | None = None) -> None:
+        self._answer("StartContainer")
+        Path(self.plans, container_id, wrapper.FAILED).write_text(
+            "restore of pod team/copy, container app, phase privileges: refusing to restore it")
+        raise errors.Internal("StartContainer: OCI runtime create failed: exit status 1")
+
+
+async def test_the_wrappers_refusal_is_the_reason_even_when_the_page_source_lost_its_restore(
+        node: tuple[Settings, Store, Containerd], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy restore that the wrapper refused: the page source only saw its restore go away."""
+    s, store, _ = node
+    cri = Refusing(Path(s.store), s.plans_dir)
+    cri.info = _status(s.wrapper_path, [wrapper.PLAN_ANNOTATION])  # type: ignore[attr-defined]
+    rec, _ = make_checkpoint(store)
+    restorer = _restorer(s, store, cri, Journal(s.journal_dir))
+
+    async def lazily(*_: Any) -> bool:
+        return True
+
+    async def started(*_: Any, **__: Any) -> None:
+        return None
+
+    async def lost(*_: Any) -> str:
+        return "restore of pod team/copy, container app, phase lazy-pages: [Errno 2] No such file or directory"
+
+    monkeypatch.setattr(restorer.lazy, "wanted", lazily)
+    monkeypatch.setattr(restorer.lazy, "start", started)
+    monkeypatch.setattr(restorer.lazy, "failure", lost)
+    with pytest.raises(errors.FailedPrecondition, match="phase privileges: refusing to restore it"):
+        await restorer.restore(RestoreRequest(rec.id, namespace="team", name="copy", start=True))
+    assert cri.pods == {} and cri.containers == {}
+
+
 async def test_a_sandbox_whose_answer_was_lost_is_found_and_removed(node: tuple[Settings, Store, Containerd]) -> None:
     s, store, cri = node
     rec, _ = make_checkpoint(store)
