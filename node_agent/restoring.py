@@ -372,16 +372,19 @@ class Restorer:
                 try:
                     await self.cri.start_container(cid)
                 except errors.AgentError as exc:
-                    # The wrapper's refusal first (the page source then only lost its restore); else a
-                    # lazy restore cut short by its page source: the source says why (a chunk that failed
-                    # verification, a registry gone), not the log CRIU left as it was cut off.
+                    # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason: the
+                    # page source then only lost its restore. When CRIU itself failed under a lazy
+                    # restore, the page source says why (a chunk that failed verification, a registry
+                    # gone), not the log CRIU left as it was cut off.
                     refused = runtime_handler.refusal(os.path.join(self.settings.plans_dir, cid))
-                    if refused is not None:
+                    if refused is not None and not isinstance(refused, errors.Internal):
                         raise refused from exc
                     why = await self.lazy.failure(entry.op_id, cid, LAZY_REASON_WAIT) if lazy else ""
                     if why:
                         code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
                         raise code(why) from exc
+                    if refused is not None:
+                        raise refused from exc
                     raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
                 await runtime_handler.verify_restored(
                     self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid), nonce,

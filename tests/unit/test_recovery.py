@@ -207,24 +207,36 @@ async def test_containerd_dying_at_start_leaves_nothing_once_it_answers_again(
 
 
 class Refusing(Containerd):
-    """StartContainer as it ends when the restore wrapper refuses: its `failed` mark in the plan, an error."""
+    """StartContainer as it ends when the restore wrapper fails: its `failed` mark in the plan, an error."""
 
-    def __init__(self, shm: Path, plans: str) -> None:
+    def __init__(self, shm: Path, plans: str, mark: str) -> None:
         super().__init__(shm)
         self.plans = plans
+        self.mark = mark
 
     async def start_container(self, container_id: str, *, timeout: float | None = None) -> None:
         self._answer("StartContainer")
-        Path(self.plans, container_id, wrapper.FAILED).write_text(
-            "restore of pod team/copy, container app, phase privileges: refusing to restore it")
+        Path(self.plans, container_id, wrapper.FAILED).write_text(self.mark)
         raise errors.Internal("StartContainer: OCI runtime create failed: exit status 1")
 
 
-async def test_the_wrappers_refusal_is_the_reason_even_when_the_page_source_lost_its_restore(
-        node: tuple[Settings, Store, Containerd], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lazy restore that the wrapper refused: the page source only saw its restore go away."""
+REFUSED = "restore of pod team/copy, container app, phase privileges: refusing to restore it"
+CRIU_CUT = "restore of pod team/copy, container app, phase restore: Running post-restore scripts; RPC"
+LOST = "restore of pod team/copy, container app, phase lazy-pages: [Errno 2] No such file or directory"
+BAD_CHUNK = ("restore of pod team/copy, container app, phase lazy-pages: blob sha256:ab: digest mismatch "
+             "(content hashes to sha256:cd)")
+
+
+@pytest.mark.parametrize("mark, source, raised, reason", [
+    (REFUSED, LOST, errors.FailedPrecondition, "phase privileges"),  # the page source only lost its restore
+    (CRIU_CUT, BAD_CHUNK, errors.DataLoss, "digest mismatch"),  # CRIU was cut off: the source says why
+    (CRIU_CUT, "", errors.Internal, "phase restore"),  # nothing from the source: CRIU's own account
+])
+async def test_a_failed_lazy_start_names_the_decisive_reason(
+        node: tuple[Settings, Store, Containerd], monkeypatch: pytest.MonkeyPatch,
+        mark: str, source: str, raised: type[errors.AgentError], reason: str) -> None:
     s, store, _ = node
-    cri = Refusing(Path(s.store), s.plans_dir)
+    cri = Refusing(Path(s.store), s.plans_dir, mark)
     cri.info = _status(s.wrapper_path, [wrapper.PLAN_ANNOTATION])  # type: ignore[attr-defined]
     rec, _ = make_checkpoint(store)
     restorer = _restorer(s, store, cri, Journal(s.journal_dir))
@@ -235,13 +247,13 @@ async def test_the_wrappers_refusal_is_the_reason_even_when_the_page_source_lost
     async def started(*_: Any, **__: Any) -> None:
         return None
 
-    async def lost(*_: Any) -> str:
-        return "restore of pod team/copy, container app, phase lazy-pages: [Errno 2] No such file or directory"
+    async def told(*_: Any) -> str:
+        return source
 
     monkeypatch.setattr(restorer.lazy, "wanted", lazily)
     monkeypatch.setattr(restorer.lazy, "start", started)
-    monkeypatch.setattr(restorer.lazy, "failure", lost)
-    with pytest.raises(errors.FailedPrecondition, match="phase privileges: refusing to restore it"):
+    monkeypatch.setattr(restorer.lazy, "failure", told)
+    with pytest.raises(raised, match=reason):
         await restorer.restore(RestoreRequest(rec.id, namespace="team", name="copy", start=True))
     assert cri.pods == {} and cri.containers == {}
 
