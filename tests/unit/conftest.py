@@ -14,6 +14,13 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every machine and every run (derandomize: seeded from the
+# test's name), with no wall-clock deadline and no example database carried between runs: a fresh
+# machine's result is never left to chance or to the speed of the machine.
+settings.register_profile("node-agent", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.load_profile("node-agent")
 
 
 @pytest.fixture
