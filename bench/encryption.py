@@ -68,7 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import firstanswer, report  # noqa: E402
 from bench.run import NOT_STORE, Bench, BenchError, SrcPod, log, write_docs  # noqa: E402
-from tests.e2e.bed import CONTAINERD2  # noqa: E402
+from testbed.bed import CONTAINERD2  # noqa: E402
 
 DEFAULT_BED = "na-bench-enc"
 DOMAIN = "benchteam"

@@ -56,7 +56,7 @@ import grpc
 from node_agent import devshm
 from node_agent.cli.client import Client, pb
 from node_agent.cri import CriClient
-from tests.e2e.bed import NODE_AGENT, container_config, pod_config
+from testbed.bed import NODE_AGENT, container_config, pod_config
 
 if TYPE_CHECKING:
     from bench.run import Bench

@@ -46,7 +46,7 @@ from bench.encryption import tree_digest  # noqa: E402
 from bench.run import Bench, BenchError, SrcPod, log, write_docs  # noqa: E402
 from criu_bridge import privileges, taskimages  # noqa: E402
 from node_agent.cri import CriClient  # noqa: E402
-from tests.e2e.bed import CONTAINERD2, container_config  # noqa: E402
+from testbed.bed import CONTAINERD2, container_config  # noqa: E402
 
 DEFAULT_BED = "na-bench-img"
 VARIANTS = ("on", "off")

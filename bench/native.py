@@ -15,7 +15,7 @@ containerd's path, as a kubelet or an operator reaches it through the CRI:
 The archive names its base image by `config.dump`'s `rootfsImageRef`, the
 container's CRI `image_ref`; containerd pulls it by that NAME@DIGEST when it is
 not local, so the workload runs from an image a registry served: the bed's
-memhog image is pushed to a loopback registry (tests/registry_server.py) and
+memhog image is pushed to a loopback registry (testbed/registry.py) and
 pulled back through CRI `PullImage`. The node-agent columns use the same pods.
 
 Every run is a new pod whose memory is filled from a fresh random seed, so no
@@ -44,8 +44,8 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri import CriClient
 from node_agent.cri.client import grpc_target
-from tests.e2e.bed import pod_config
-from tests.registry_server import Registry
+from testbed.bed import pod_config
+from testbed.registry import Registry
 
 if TYPE_CHECKING:
     from bench.run import Bench, Ctr

@@ -840,7 +840,7 @@ the archive's path as `config.image.image` (`bench/native.py`).
   `rootfsImageRef`, the container's CRI `image_ref`, and containerd pulls it by
   that NAME@DIGEST when it is not local. So these pods run from an image a
   registry served: the bench starts a loopback registry
-  (`tests/registry_server.py`, plain HTTP), pushes the bed's memhog image to it
+  (`testbed/registry.py`, plain HTTP), pushes the bed's memhog image to it
   with the bed's `ctr images push --plain-http`, writes
   `<registry_hosts_dir>/127.0.0.1:PORT/hosts.toml` (the CRI plugin's
   `config_path`; `server = "http://127.0.0.1:PORT"`, capabilities pull and

@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO))
 from bench import crilog, firstanswer, native, report  # noqa: E402
 from node_agent.config import load as load_settings  # noqa: E402
 from node_agent.cri import CriClient  # noqa: E402
-from tests.e2e.bed import CONTAINERD2, NODE_AGENT, Bed, bring_up, container_config, pod_config, testbed  # noqa: E402
+from testbed.bed import CONTAINERD2, NODE_AGENT, Bed, bring_up, container_config, pod_config, testbed  # noqa: E402
 
 T = TypeVar("T")
 FAST_TICK_MS = 5

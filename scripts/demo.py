@@ -14,9 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.e2e.bed import (  # noqa: E402
+from testbed.bed import (
     NODE_AGENT, ask, bring_up, container_detail, counter_pod, pod_detail, testbed, ticks, wait_for,
 )
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e.bed import CONTAINERD17, Bed, bring_up, reconfigured, testbed
+from testbed.bed import CONTAINERD17, Bed, bring_up, reconfigured, testbed
 from tests.e2e.tap import EventTap
 
 BED_NAME = os.environ.get("NODE_AGENT_E2E_BED", "na-e2e")
@@ -124,7 +124,7 @@ def bed17(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Bed, Event
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real OCI registry (Debian's docker-registry) on loopback, with basic auth."""
-    from tests.registry_server import Registry
+    from testbed.registry import Registry
 
     with Registry(tmp_path_factory.mktemp("registry"), users={"ops": "s3cret"}) as reg:
         yield reg

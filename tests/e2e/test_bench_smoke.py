@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import crilog, native, report
-from tests.e2e.bed import REPO, Bed, pods_in
+from testbed.bed import REPO, Bed, pods_in
 
 TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss",
            "restore_lazy", "lazy_start", "lazy_whole", "lazy_all_in", "lazy_replicas"}

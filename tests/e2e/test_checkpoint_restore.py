@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, ask, container_detail, counter_pod, freezer_state, pod_detail, pods_in, remove_pod, ticks, wait_for,
 )
 

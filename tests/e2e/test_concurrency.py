@@ -9,7 +9,7 @@ import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.e2e.bed import (
+from testbed.bed import (
     NODE_AGENT, Bed, container_detail, counter_pod, criu_processes, freezer_state, pods_in, remove_pod, ticks,
     wait_for,
 )

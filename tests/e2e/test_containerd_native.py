@@ -34,8 +34,8 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri_pb
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri import CriClient
 from node_agent.interop.exporting import COMPRESSIONS
-from tests.e2e.bed import Bed, container_config, container_detail, make_pod, pod_config, remove_pod, ticks, wait_for
-from tests.registry_server import Registry
+from testbed.bed import Bed, container_config, container_detail, make_pod, pod_config, remove_pod, ticks, wait_for
+from testbed.registry import Registry
 
 CHECKPOINTCTL = os.environ.get("NODE_AGENT_E2E_CHECKPOINTCTL", "/opt/node-agent/containerd-2/bin/checkpointctl")
 SUFFIX = {"none": ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}

@@ -17,7 +17,7 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.cri import CriClient
 from node_agent.cri.client import _parse, grpc_target
 from node_agent.store import Store
-from tests.e2e.bed import (
+from testbed.bed import (
     SHELL_COUNTER, Bed, PodHandle, container_config, container_detail, freezer_state, pod_config, remove_pod, run,
     ticks, wait_for,
 )

@@ -6,13 +6,13 @@ import json
 import os
 from typing import Any
 
-from tests.e2e.bed import Bed, answers, ask, container_detail, counter_pod, pod_detail, remove_pod, ticks, wait_for
+from testbed.bed import Bed, answers, ask, container_detail, counter_pod, pod_detail, remove_pod, ticks, wait_for
 
 
 def _cli_with_password(bed: Bed, *args: str, password: str, check: bool = True) -> Any:
     import subprocess
 
-    from tests.e2e.bed import NODE_AGENT
+    from testbed.bed import NODE_AGENT
 
     env = dict(os.environ, NODE_AGENT_SOCKET=bed.socket)
     cp = subprocess.run([NODE_AGENT, *args, "--password-stdin"], input=password + "\n", capture_output=True,
@@ -72,7 +72,7 @@ def _blob_bytes(bed: Bed) -> int:
 def test_a_lazy_restore_on_a_node_with_an_empty_store_fetches_its_pages_on_demand(
     agent: Bed, node2: Bed, registry: Any
 ) -> None:
-    from tests.e2e.bed import container_config, make_pod
+    from testbed.bed import container_config, make_pod
 
     imgs = agent.info["images"]
     src = make_pod(agent, "e2e-xlazy", [container_config("mem", imgs["memhog"], [

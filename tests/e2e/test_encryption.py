@@ -25,7 +25,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.e2e.bed import Bed, make_pod, pod_detail, reconfigured, remove_pod, wait_for
+from testbed.bed import Bed, make_pod, pod_detail, reconfigured, remove_pod, wait_for
 from tests.e2e.test_cross_node import _cli_with_password
 from tests.e2e.test_native_import import CONTAINER, namespaced
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     NODE_AGENT, Bed, container_config, container_detail, counter_pod, criu_processes, freezer_state, make_pod,
     pods_in, remove_pod, ticks, volume_holder_pod, wait_for,
 )

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.bed import (
+from testbed.bed import (
     NODE_AGENT, Bed, answers, ask, container_detail, criu_processes, freezer_state, pod_detail, pods_in,
     remove_pod, wait_for,
 )
-from tests.e2e.faults import Gate, blip, containerd_down, containerd_up, setting
+from testbed.faults import Gate, blip, containerd_down, containerd_up, setting
 from tests.e2e.test_cross_node import _cli_with_password
 from tests.e2e.test_lazy import _memhog_pod, _sum
 
@@ -198,7 +198,7 @@ def test_containerd_killed_during_a_dump_leaves_a_good_checkpoint(agent: Bed, tm
 
 def _unique_memhog(agent: Bed, namespace: str, marker: int) -> tuple[Any, str, str]:
     """A memhog whose command line no other test's has (its tick interval): its copies can be counted."""
-    from tests.e2e.bed import container_config, make_pod
+    from testbed.bed import container_config, make_pod
 
     pod = make_pod(agent, namespace, [container_config("mem", agent.info["images"]["memhog"], [
         "/usr/local/bin/memhog", "--mib", "16", "--port", "8080", "--interval-ms", str(marker), "--flip", "0"])])
@@ -235,7 +235,7 @@ def _plans_of(agent: Bed) -> set[str]:
 
 
 def test_a_second_agent_on_the_same_store_is_refused_and_the_first_goes_on(agent: Bed, tmp_path: Path) -> None:
-    from tests.e2e.faults import wrapper_gate
+    from testbed.faults import wrapper_gate
 
     pod, _ip, before = _unique_memhog(agent, "e2e-fault-two", 91)
     ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
@@ -275,7 +275,7 @@ def test_a_second_agent_on_the_same_store_is_refused_and_the_first_goes_on(agent
 
 
 def test_containerd_killed_during_a_restore_leaves_no_sandbox_and_no_duplicate(agent: Bed, tmp_path: Path) -> None:
-    from tests.e2e.faults import wrapper_gate
+    from testbed.faults import wrapper_gate
 
     pod, _ip, _before = _unique_memhog(agent, "e2e-fault-ctrd", 93)
     ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
@@ -308,7 +308,7 @@ def test_the_agent_killed_during_a_restore_is_undone_at_its_next_start(agent: Be
                                                                        tmp_path: Path) -> None:
     """During RunPodSandbox and during StartContainer: recovery removes the half-made pod (and any copy of
     the process); during a lazy transfer: the page source serves on alone, the replica stays whole."""
-    from tests.e2e.faults import wrapper_gate
+    from testbed.faults import wrapper_gate
     from tests.e2e.test_lazy import _lazy_processes
 
     pod, _ip, before = _unique_memhog(agent, "e2e-fault-kill", 97)
@@ -369,7 +369,7 @@ def _tmpfs(path: Path, mib: int) -> None:
 
 def _ticking(agent: Bed, pod: Any) -> None:
     """The pod runs on, thawed, its ticker going (not frozen now, not stopped)."""
-    from tests.e2e.bed import ticks
+    from testbed.bed import ticks
 
     _running_thawed(agent, pod)
     for cid in pod.containers.values():
@@ -533,7 +533,7 @@ def test_a_corrupt_memory_chunk_stops_the_whole_restored_pod_and_says_why(agent:
     restored containers stop: no wrong byte ever runs, and the user is told where they look. Under a
     kubelet, a restored container that failed is not created again from its image."""
     from node_agent.api.pod_restores import RESTORE_FROM
-    from tests.e2e.bed import counter_pod
+    from testbed.bed import counter_pod
     from tests.e2e.test_cri_endpoint import pod_via_agent, shell, via_agent
 
     src = counter_pod(agent, "e2e-fault-bit", mib=32, flip=False)

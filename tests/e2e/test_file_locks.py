@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, PodHandle, ask, container_config, container_detail, make_pod, pod_detail, pods_in, remove_pod, ticks,
     volume_dir, wait_for,
 )

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from criu_bridge import criuimg
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, container_config, container_detail, criu_processes, make_pod, pods_in, remove_pod, ticks, wait_for,
 )
 from tests.unit.criu_images import mount

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     NODE_AGENT, Bed, PodHandle, answers, ask, container_config, container_detail, counter_pod, freezer_state,
     make_pod, pod_detail, pods_in, remove_pod, start_refusal, ticks, volume_holder_pod, wait_for,
 )

@@ -13,8 +13,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e import bed as beds
-from tests.e2e.bed import REPO, Bed, bring_up
+from testbed import bed as beds
+from testbed.bed import REPO, Bed, bring_up
 
 BED = os.environ.get("NODE_AGENT_SHIP_BED", "na-ship")
 IMAGE = "localhost/node-agent:e2e"
@@ -117,7 +117,7 @@ def test_init_container_install_gives_the_host_a_runnable_wrapper(image: str, tm
 def test_a_pod_restores_through_the_image_host_runtime(image: str, ship_bed: Bed, tmp_path: Path) -> None:
     """The DaemonSet's restore path on the host: the wrapper runs on the image's
     relocatable Python (here copied out of the image), not on the agent's."""
-    from tests.e2e.bed import NODE_AGENT, container_detail, counter_pod, remove_pod, ticks, wait_for
+    from testbed.bed import NODE_AGENT, container_detail, counter_pod, remove_pod, ticks, wait_for
 
     out = tmp_path / "out"
     out.mkdir()

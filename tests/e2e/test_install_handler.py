@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from node_agent import containerd
-from tests.e2e.bed import (
+from testbed.bed import (
     CONTAINERD2, CONTAINERD17, NODE_AGENT, Bed, bring_up, container_detail, counter_pod, remove_pod, ticks,
     wait_for,
 )
-from tests.e2e.bed import testbed as scripts_testbed
+from testbed.bed import testbed as scripts_testbed
 from tests.e2e.conftest import BED_NAME
 
 

@@ -27,7 +27,7 @@ import zstandard
 
 from node_agent import interop
 from node_agent.store import Store
-from tests.e2e.bed import (
+from testbed.bed import (
     SHELL_COUNTER, Bed, container_config, container_detail, make_pod, remove_pod, ticks, wait_for,
 )
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, PodHandle, answers, ask, container_config, container_detail, lazy_helpers, make_pod, pod_detail, remove_pod,
     wait_for,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from tests.e2e.bed import Bed, answers, ask, container_detail, pod_detail, remove_pod, wait_for
+from testbed.bed import Bed, answers, ask, container_detail, pod_detail, remove_pod, wait_for
 from tests.e2e.test_lazy import _lazy_processes, _memhog_pod, _sum
 
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from tests.socket_probe import probe
-from tests.e2e.bed import NODE_AGENT, SHELL_COUNTER, Bed, container_config, make_pod, remove_pod
+from testbed.bed import NODE_AGENT, SHELL_COUNTER, Bed, container_config, make_pod, remove_pod
 from tests.pki import Leaf, Pki
 
 GROUP = 4343

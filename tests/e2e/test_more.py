@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, container_config, container_detail, freezer_state, make_pod, pod_detail, pods_in, remove_pod, ticks, wait_for,
 )
 
@@ -239,7 +239,7 @@ def test_the_cli_shows_streamed_progress_on_a_terminal(agent: Bed) -> None:
     import pty
     import select
 
-    from tests.e2e.bed import NODE_AGENT
+    from testbed.bed import NODE_AGENT
 
     pod = make_pod(agent, "e2e-progress", [container_config("c", agent.info["images"]["busybox"],
                                                              ["sh", "-c", "while :; do sleep 1; done"])])

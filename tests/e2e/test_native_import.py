@@ -24,7 +24,7 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri.client import grpc_target
 from node_agent.store import Store
-from tests.e2e.bed import Bed, container_config, container_detail, make_pod, pod_detail, remove_pod, ticks, wait_for
+from testbed.bed import Bed, container_config, container_detail, make_pod, pod_detail, remove_pod, ticks, wait_for
 
 # CRI NamespaceMode.
 POD, CONTAINER, TARGET = 0, 1, 3

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from node_agent.api.pod_restores import RESTORE_FROM
-from tests.e2e.bed import Bed, make_pod, pod_detail, pods_in, reconfigured, remove_pod, wait_for
+from testbed.bed import Bed, make_pod, pod_detail, pods_in, reconfigured, remove_pod, wait_for
 from tests.e2e.test_cri_endpoint import pod_via_agent, via_agent
 from tests.e2e.test_encryption import SECRET, SERVER, _ask, _grep, _ring
 from tests.e2e.test_forged_images import _edit_config, _exported, _imported

@@ -19,7 +19,7 @@ import pytest
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.store import Store
-from tests.e2e.bed import (Bed, container_config, container_detail, criu_processes, freezer_state, make_pod, pods_in,
+from testbed.bed import (Bed, container_config, container_detail, criu_processes, freezer_state, make_pod, pods_in,
                            reconfigured, remove_pod, ticks, wait_for)
 
 DENY = "e2e-pol-deny"

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.bed import bring_up, container_detail, counter_pod, remove_pod, ticks, wait_for
-from tests.e2e.bed import testbed as scripts_testbed
+from testbed.bed import bring_up, container_detail, counter_pod, remove_pod, ticks, wait_for
+from testbed.bed import testbed as scripts_testbed
 from tests.e2e.conftest import BED_NAME
 
 IMAGE_RUNC = "/usr/sbin/runc"  # what deploy/image installs: Debian's runc

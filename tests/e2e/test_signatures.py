@@ -18,7 +18,7 @@ from node_agent.config import from_mapping
 from node_agent.errors import PermissionDenied
 from node_agent.registry import Credentials, pull
 from node_agent.store import Store
-from tests.e2e.bed import NODE_AGENT, Bed, container_detail, counter_pod, remove_pod, ticks, wait_for
+from testbed.bed import NODE_AGENT, Bed, container_detail, counter_pod, remove_pod, ticks, wait_for
 
 
 def _trusting(key: Ed25519PrivateKey) -> Any:
@@ -78,7 +78,7 @@ def test_a_signed_checkpoint_is_pushed_and_pulled_with_its_signature(agent: Bed,
 def test_rekey_never_signs_what_no_trusted_key_signed(agent: Bed, tmp_path: Path) -> None:
     """A checkpoint made while the node had no signing key stays unsigned through `rekey`, and is refused
     where signatures are required; one the node signed is signed again."""
-    from tests.e2e.bed import reconfigured
+    from testbed.bed import reconfigured
     from tests.e2e.test_encryption import _ring
 
     src = counter_pod(agent, "e2e-rekey", flip=False)

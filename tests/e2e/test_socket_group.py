@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.bed import NODE_AGENT, Bed, counter_pod, remove_pod
+from testbed.bed import NODE_AGENT, Bed, counter_pod, remove_pod
 
 GID = 4343
 MEMBER = ["setpriv", "--reuid=nobody", "--regid=nogroup", f"--groups={GID}"]

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-from tests.e2e.bed import NODE_AGENT, Bed, container_detail, counter_pod, remove_pod, ticks, wait_for
+from testbed.bed import NODE_AGENT, Bed, container_detail, counter_pod, remove_pod, ticks, wait_for
 
 
 def _blob_bytes(bed: Bed) -> int:

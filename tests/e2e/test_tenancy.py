@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, container_config, container_detail, counter_pod, criu_processes, make_pod, pod_config, pods_in,
     reconfigured, remove_pod, ticks, wait_for,
 )
@@ -45,7 +45,7 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done"
 @pytest.fixture(scope="module")
 def https_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real OCI registry on loopback over HTTPS, anonymous, with a certificate from a test CA."""
-    from tests.registry_server import Registry
+    from testbed.registry import Registry
 
     with Registry(tmp_path_factory.mktemp("https-registry"), tls=True) as reg:
         yield reg

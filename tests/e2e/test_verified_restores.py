@@ -21,7 +21,7 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.podformat import manifest_annotations
 from node_agent.cri.client import _parse
 from node_agent.store import Store
-from tests.e2e.bed import (
+from testbed.bed import (
     Bed, container_config, container_detail, counter_pod, lazy_helpers, make_pod, pod_config, pods_in, remove_pod,
     reconfigured, start_refusal, ticks, volume_dir, wait_for,
 )

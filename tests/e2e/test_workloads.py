@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.bed import Bed, PodHandle, container_detail, make_pod, pod_detail, remove_pod, wait_for
+from testbed.bed import Bed, PodHandle, container_detail, make_pod, pod_detail, remove_pod, wait_for
 from tests.e2e.test_native_import import CONTAINER, in_pid_namespace, namespaced
 
 PORT = 8080

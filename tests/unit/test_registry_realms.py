@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from tests.registry_server import Certificates, FakeServer, Registry, answer  # noqa: E402
+from testbed.registry import Certificates, FakeServer, Registry, answer  # noqa: E402
 
 PASSWORD = "pw-that-must-stay-home"
 

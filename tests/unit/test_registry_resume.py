@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from tests.registry_server import Registry  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
 
 MiB = 1 << 20
 PLAIN = Credentials(plain_http=True)

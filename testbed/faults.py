@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.e2e.bed import Bed, testbed, wait_for
+from testbed.bed import Bed, testbed, wait_for
 
 _GATE = r'''
 # A fault-injection gate: stops at `{command}` {which} until released.

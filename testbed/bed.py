@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from node_agent.cri import CriClient
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 NODE_AGENT = str(VENV_BIN / "node-agent")
 T = TypeVar("T")
