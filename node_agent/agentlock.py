@@ -7,7 +7,7 @@ PID and process start time (field 22 of /proc/<pid>/stat) as
 `<pid> <start>\\n`; the lock itself is an flock(2) on it, which the kernel
 drops when the holder exits, however it exits.
 
-This lock is the agent's alone. The store's own lock (`store.blobs`), which
+This lock is the agent's alone. The store's own lock (`store.locking`), which
 writers, gc and lazy page sources share, is another file. The descriptor is
 close-on-exec, so no helper the agent starts (a page source that outlives
 the agent, runc, CRIU) ever holds it.

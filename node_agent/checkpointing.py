@@ -6,7 +6,10 @@ armed before the first freeze and thaws the pod if this process dies or
 stalls; every path out of the freeze window thaws, shielded from
 cancellation; the journal lets start-up recovery finish the job. Room on the
 store's disk is asked for before the freeze, and a disk that fills is said so
-(`diskspace`).
+(`diskspace`). `Checkpointer` is the long-lived service; each checkpoint is
+a `CheckpointRun`, which holds that operation's state (its pod, phase,
+targets, what is frozen, the thaw, the scratch dir, the journal entry) and
+whose methods are its steps.
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ import datetime as dt
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from criu_bridge import freezer, mountinfo, tcp
 from criu_bridge import watchdog as wd
@@ -31,14 +33,16 @@ from criu_bridge.freezer import Freezer
 from criu_bridge.rootfs.capture import capture_diff
 from criu_bridge.rpc import CriuClient
 from criu_bridge.runtime import CHECKPOINT_OPTIONS, CheckpointFlags, Runc, reap
-from node_agent import devshm, diskspace, errors, podformat, policy, signing
-from node_agent.config import Settings
+from node_agent import devshm, diskspace, errors, podformat, signing
+from node_agent.admission import CheckpointOptions, parse_checkpoint_options, require_checkpoint
+from node_agent.config.schema import Settings
 from node_agent.cri import ContainerDetail, CriClient, Pod, PodDetail
+from node_agent.cri.pods import resolve_pod
 from node_agent.journal import Entry, Journal
 from node_agent.undoing import Undoer, undo_checkpoint
 from node_agent.keys import Keys
 from node_agent.metrics import Metrics, instrumented
-from node_agent.podformat import manifest_annotations, parse_all_options
+from node_agent.podformat import manifest_annotations
 from node_agent.progress import Progress, ProgressFn, no_progress
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.sealing import SealKey
@@ -53,46 +57,14 @@ GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
 class CheckpointRequest:
     pod: str
     containers: Sequence[str] = ()
-    options: Mapping[str, str] = field(default_factory=dict)
+    # Parsed by the entry path (`admission.parse_checkpoint_options`); the defaults when none were given.
+    options: CheckpointOptions = field(default_factory=lambda: parse_checkpoint_options({}))
     # Where the checkpoint is published: the agent's own store when None
     # (CRI CheckpointPod writes a self-contained store in the caller's directory).
     store: Store | None = None
-
-
-async def resolve_pod(cri: CriClient, ref: str, within: Callable[[str], bool] | None = None) -> Pod:
-    """A pod by full sandbox ID, unique ID prefix, or namespace/name.
-
-    `within`: only pods of the namespaces it accepts exist for this call (an
-    authorization scope): the others are neither found nor counted.
-    """
-    ref = ref.strip()
-    if not ref:
-        raise errors.InvalidArgument("no pod given")
-    pods = await cri.list_pods()
-    if within is not None:
-        pods = [p for p in pods if within(p.namespace)]
-    if "/" in ref:
-        ns, _, name = ref.partition("/")
-        found = [p for p in pods if p.namespace == ns and p.name == name]
-        ready = [p for p in found if p.ready]
-        if not found:
-            raise errors.NotFound(f"pod {ref} not found")
-        if not ready:
-            raise errors.FailedPrecondition(f"pod {ref} has no ready sandbox")
-        if len(ready) > 1:
-            raise errors.InvalidArgument(f"pod {ref} has {len(ready)} ready sandboxes; give a sandbox ID")
-        return ready[0]
-    exact = [p for p in pods if p.id == ref]
-    if exact:
-        return exact[0]
-    if not re.fullmatch(r"[0-9a-f]{1,64}", ref):
-        raise errors.NotFound(f"pod {ref!r} not found (give a sandbox ID, a unique ID prefix or namespace/name)")
-    found = [p for p in pods if p.id.startswith(ref)]
-    if not found:
-        raise errors.NotFound(f"no pod sandbox ID starts with {ref}")
-    if len(found) > 1:
-        raise errors.InvalidArgument(f"pod ID prefix {ref} is ambiguous ({len(found)} sandboxes)")
-    return found[0]
+    # The pod, resolved and admitted by the entry path (CRI CheckpointPod, before it
+    # touches the caller's directory): neither resolved nor admitted again.
+    resolved: Pod | None = None
 
 
 def gpu_devices(spec: Mapping[str, Any]) -> list[str]:
@@ -132,6 +104,8 @@ class _Target:
 
 
 class Checkpointer:
+    """The checkpoint service: long-lived clients, the pod turns and the node's settings; a `CheckpointRun` per call."""
+
     def __init__(
         self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
         keys: Keys | None = None, undoer: Undoer | None = None,
@@ -149,7 +123,7 @@ class Checkpointer:
         self._mem_track: bool | None = None
         self.metrics = metrics
 
-    async def _want_pre_dump(self, wish: bool | None, pod: Pod) -> bool:
+    async def want_pre_dump(self, wish: bool | None, pod: Pod) -> bool:
         """Pre-dump where the kernel tracks dirty memory; say once when it can't."""
         mode = self.settings.pre_dump
         if wish is False or (wish is None and mode == "never"):
@@ -178,34 +152,87 @@ class Checkpointer:
     async def checkpoint(
         self, req: CheckpointRequest, *, timeout: float | None = None, progress: ProgressFn = no_progress
     ) -> CheckpointRecord:
-        flags, pre_dump_wish = parse_all_options(req.options)
         timeout = timeout if timeout is not None else self.settings.timeouts.checkpoint
-        phase = ["resolve"]
-        pod_ref = req.pod
+        run = CheckpointRun(self, req, progress)
         try:
             async with asyncio.timeout(timeout):
-                pod = await resolve_pod(self.cri, req.pod)
-                pod_ref = pod.ref
-                # The node's policy for the pod's namespace, before anything is frozen or written.
-                policy.require(self.settings, "checkpoint", pod.namespace, pod.ref)
-                # A broken key source refuses before the pod is touched (a KMS plugin may run:
-                # off the event loop).
-                await asyncio.to_thread(self.seal_key, pod.namespace)
-                phase[0] = "waiting for an earlier operation on the pod"
-                if self.turns.busy(pod.id):
-                    progress(Progress("queued", message=f"pod {pod.ref} is busy; waiting"))
-                async with self.turns.turn(pod.id, f"checkpoint of pod {pod.ref}"):
-                    phase[0] = "resolve"
-                    pre_dump = await self._want_pre_dump(pre_dump_wish, pod)
-                    return await self._run(pod, req, flags, pre_dump, phase, progress)
+                return await run.run()
         except TimeoutError as exc:
             raise errors.DeadlineExceeded(
-                f"checkpoint of pod {pod_ref}: the deadline ({timeout:g}s) passed during {phase[0]}; "
+                f"checkpoint of pod {run.pod_ref}: the deadline ({timeout:g}s) passed during {run.phase}; "
                 "the pod was resumed and nothing was kept"
             ) from exc
 
-    async def _select(self, pod: Pod, wanted: Sequence[str]) -> list[ContainerDetail]:
-        containers = [c for c in await self.cri.list_containers(pod.id) if c.pod_id == pod.id]
+    def seal_key(self, namespace: str) -> SealKey | None:
+        """The key the namespace's checkpoints are sealed under (None: not encrypted)."""
+        return self.keys.seal_key(namespace) if self.keys is not None else None
+
+    def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
+        seal = self.seal_key(str(meta["pod"]["namespace"]))
+        with (store or self.store).writer(seal=seal) as w:
+            w.add_tree("", work)
+            record = w.commit(meta, annotations=manifest_annotations(meta))
+            # Signed right after the publish; a failure removes it again and fails the checkpoint.
+            signing.sign_published(self.settings.signing.key_file, store or self.store, record.id)
+            self.metrics.observe_ingest(record, w.bytes_written)
+            return record
+
+
+class CheckpointRun:
+    """One checkpoint of one pod: its state from the request to the published record, and its steps.
+
+    `phase` is the step under way, as errors and a passed deadline name
+    it. Whatever the run freezes it thaws (`thawing`: the thaw tasks, which
+    outlive a cancelled call), and its journal entry goes once its scratch
+    dir and frozen cgroups are gone, or the undoer retries.
+    """
+
+    # Set by the steps, in order: the pod (resolved), what is checkpointed, the journal entry and its scratch dir.
+    pod: Pod
+    pod_detail: PodDetail
+    entry: Entry
+    work: str
+
+    def __init__(self, service: Checkpointer, req: CheckpointRequest, progress: ProgressFn) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.req = req
+        self.progress = progress
+        self.phase = "resolve"
+        self.pod_ref = req.pod  # how errors name the pod: the request's words until it is resolved
+        self.flags: CheckpointFlags = req.options.flags  # tcp-close added where a container holds connections
+        self.pre_dump = False
+        self.targets: list[_Target] = []
+        self.thawing: list[asyncio.Future[None]] = []  # the thaw, as a task of its own
+        self.helpers: list[asyncio.subprocess.Process] = []  # runc and CRIU while they dump
+        self.tcp_closed: list[str] = []  # containers dumped with --tcp-close
+        self.frozen_ms = 0.0
+        self.dump_ms: dict[str, float] = {}
+
+    async def run(self) -> CheckpointRecord:
+        """Resolve and admit the pod, then checkpoint it in its turn."""
+        pod = self.req.resolved
+        if pod is None:
+            pod = await resolve_pod(self.service.cri, self.req.pod)
+            self.pod_ref = pod.ref
+            # The node's policy for the pod's namespace, before anything is frozen or written.
+            require_checkpoint(self.settings, pod)
+        self.pod, self.pod_ref = pod, pod.ref
+        # A broken key source refuses before the pod is touched (a KMS plugin may run: off the event loop).
+        await asyncio.to_thread(self.service.seal_key, pod.namespace)
+        self.phase = "waiting for an earlier operation on the pod"
+        turns = self.service.turns
+        if turns.busy(pod.id):
+            self.progress(Progress("queued", message=f"pod {pod.ref} is busy; waiting"))
+        async with turns.turn(pod.id, f"checkpoint of pod {pod.ref}"):
+            self.phase = "resolve"
+            self.pre_dump = await self.service.want_pre_dump(self.req.options.pre_dump, pod)
+            return await self._checkpoint()
+
+    async def select(self) -> list[ContainerDetail]:
+        """The containers to checkpoint: the request's, or every running one; none with GPU devices."""
+        pod, wanted, cri = self.pod, self.req.containers, self.service.cri
+        containers = [c for c in await cri.list_containers(pod.id) if c.pod_id == pod.id]
         if wanted:
             if len(set(wanted)) != len(wanted):
                 raise errors.InvalidArgument(f"pod {pod.ref}: duplicate containers in {list(wanted)}")
@@ -228,7 +255,7 @@ class Checkpointer:
                 raise errors.FailedPrecondition(f"pod {pod.ref} has no running container")
         if len({c.name for c in chosen}) != len(chosen):
             raise errors.InvalidArgument(f"pod {pod.ref}: the selection names one container twice")
-        details = [await self.cri.container_status(c.id) for c in chosen]
+        details = [await cri.container_status(c.id) for c in chosen]
         for d in details:
             if not d.container.running or d.pid <= 0:
                 raise errors.FailedPrecondition(f"pod {pod.ref}: container {d.container.name} is not running")
@@ -240,106 +267,90 @@ class Checkpointer:
                 )
         return details
 
-    async def _run(
-        self, pod: Pod, req: CheckpointRequest, flags: CheckpointFlags, pre_dump: bool, phase: list[str],
-        progress: ProgressFn,
-    ) -> CheckpointRecord:
-        progress(Progress("resolve", message=f"pod {pod.ref}"))
-        details = await self._select(pod, req.containers)
-        pod_detail = await self.cri.pod_status(pod.id)
+    async def _checkpoint(self) -> CheckpointRecord:
+        """Select, journal, pre-dump, cut, ingest; the cleanup runs whatever happens, shielded."""
+        pod, s, svc = self.pod, self.settings, self.service
+        self.progress(Progress("resolve", message=f"pod {pod.ref}"))
+        details = await self.select()
+        self.pod_detail = await svc.cri.pod_status(pod.id)
         total = len(details)
-        entry = Entry("checkpoint")
-        work = os.path.join(self.settings.work_dir, entry.op_id)
-        targets: list[_Target] = []
+        self.entry = entry = Entry("checkpoint")
+        self.work = work = os.path.join(s.work_dir, entry.op_id)
         for d in details:
             try:
                 fz = freezer.freezer_of(d.pid)
                 upper = mountinfo.upperdir_of(d.pid)
             except BridgeError as exc:
                 raise errors.FailedPrecondition(f"pod {pod.ref}, container {d.container.name}: {exc}") from exc
-            targets.append(_Target(d, fz, upper, os.path.join(work, podformat.container_dir(d.container.name))))
+            self.targets.append(_Target(d, fz, upper, os.path.join(work, podformat.container_dir(d.container.name))))
         # Room for it, before anything is frozen or written: its memory by its cgroups, plus min-free-bytes.
-        room = await asyncio.to_thread(diskspace.require, pod.ref, [t.freezer for t in targets],
-                                       (req.store or self.store, self.store), self.settings.min_free_bytes)
+        room = await asyncio.to_thread(diskspace.require, pod.ref, [t.freezer for t in self.targets],
+                                       (self.req.store or svc.store, svc.store), s.min_free_bytes)
         shm = devshm.shm_source(details[0].spec)
         entry.data = {
             "pod": pod.ref,
             "pod_id": pod.id,
             "work": work,
-            "freezers": [t.freezer.to_arg() for t in targets],
-            "containers": [t.id for t in targets],
+            "freezers": [t.freezer.to_arg() for t in self.targets],
+            "containers": [t.id for t in self.targets],
             "helpers": [],
         }
-        thawing: list[asyncio.Future[None]] = []
-        self.journal.write(entry)
+        svc.journal.write(entry)
         try:
             os.makedirs(work, mode=0o700)
             os.makedirs(os.path.join(work, podformat.POD_CPUINFO_DIR))
-            for t in targets:
+            for t in self.targets:
                 os.makedirs(os.path.join(t.dir, podformat.IMAGES_DIR))
                 os.makedirs(os.path.join(t.dir, "work"))
-            phase[0] = "criu cpuinfo dump"
-            await self.criu.cpuinfo_dump(os.path.join(work, podformat.POD_CPUINFO_DIR))
-            criu_version = (await self.criu.version()).text
+            self.phase = "criu cpuinfo dump"
+            await svc.criu.cpuinfo_dump(os.path.join(work, podformat.POD_CPUINFO_DIR))
+            criu_version = (await svc.criu.version()).text
 
-            if pre_dump:
-                phase[0] = "pre-dump"
-                await self._pre_dump(pod, targets, flags, progress)
+            if self.pre_dump:
+                self.phase = "pre-dump"
+                await self.pre_dump_all()
 
-            phase[0] = "freeze"
-            tcp_closed: list[str] = []
-            frozen_ms, dump_ms = await self._cut(
-                pod, targets, shm, work, flags, pre_dump, entry, phase, progress, thawing, tcp_closed
-            )
-            if tcp_closed:  # recorded: the restore must ask CRIU for it too
-                flags = replace(flags, tcp_close=True)
+            self.phase = "freeze"
+            await self.cut(shm)
+            if self.tcp_closed:  # recorded: the restore must ask CRIU for it too
+                self.flags = replace(self.flags, tcp_close=True)
             log.info(
-                "pod %s frozen for %.1f ms", pod.ref, frozen_ms,
-                extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(frozen_ms, 1)},
+                "pod %s frozen for %.1f ms", pod.ref, self.frozen_ms,
+                extra={"pod": pod.ref, "phase": "thaw", "frozen_ms": round(self.frozen_ms, 1)},
             )
 
-            phase[0] = "ingest"
-            progress(Progress("ingest", total, total, message="storing"))
-            meta = self._metadata(pod, pod_detail, targets, flags, frozen_ms, dump_ms, criu_version)
-            meta["pre_dump"] = pre_dump
-            self._write_config_files(work, pod_detail, targets)
-            record = await asyncio.to_thread(self._ingest, work, meta, req.store)
-            progress(Progress("done", total, total, record.size, record.size, record.id))
+            self.phase = "ingest"
+            self.progress(Progress("ingest", total, total, message="storing"))
+            meta = self.metadata(criu_version)
+            meta["pre_dump"] = self.pre_dump
+            self.write_config_files()
+            record = await asyncio.to_thread(svc._ingest, work, meta, self.req.store)
+            self.progress(Progress("done", total, total, record.size, record.size, record.id))
             log.info("checkpoint %s of pod %s published", record.id, pod.ref, extra={"pod": pod.ref, "checkpoint": record.id, "phase": "publish"})
             return record
         except Exception as exc:  # a full disk, wherever it struck, is said as such (with CRIU's reason)
-            if (full := await asyncio.to_thread(diskspace.exhausted, exc, pod.ref, phase[0], room)) is None:
+            if (full := await asyncio.to_thread(diskspace.exhausted, exc, pod.ref, self.phase, room)) is None:
                 raise
             raise full from exc
         finally:
-            # One cleanup task that outlives this call if it is cancelled again: the thaw (it waits out runc
-            # and CRIU), the scratch files, then the journal entry once nothing is left, else the undoer's retries.
-            async def finish() -> None:
-                for t in thawing:
-                    with contextlib.suppress(BaseException):
-                        await t
-                if await asyncio.to_thread(undo_checkpoint, entry.data, self.settings.work_dir):
-                    await self.undoer.undo(entry)
-                else:
-                    self.journal.remove(entry)
+            # One cleanup task that outlives this call if it is cancelled again.
+            await asyncio.shield(asyncio.ensure_future(self.finish()))
 
-            await asyncio.shield(asyncio.ensure_future(finish()))
+    async def finish(self) -> None:
+        """The cleanup: the thaw (it waits out runc and CRIU), the scratch files, then the journal entry.
 
-    async def _cut(
-        self,
-        pod: Pod,
-        targets: list[_Target],
-        shm: str | None,
-        work: str,
-        flags: CheckpointFlags,
-        pre_dump: bool,
-        entry: Entry,
-        phase: list[str],
-        progress: ProgressFn,
-        thawing: list[asyncio.Future[None]],
-        tcp_closed: list[str],
-    ) -> tuple[float, dict[str, float]]:
-        """Freeze every target, capture each, thaw every target. Returns (frozen ms, dump ms per container).
+        The entry goes once nothing is left; else the undoer retries until it is.
+        """
+        for t in self.thawing:
+            with contextlib.suppress(BaseException):
+                await t
+        if await asyncio.to_thread(undo_checkpoint, self.entry.data, self.settings.work_dir):
+            await self.service.undoer.undo(self.entry)
+        else:
+            self.service.journal.remove(self.entry)
+
+    async def cut(self, shm: str | None) -> None:
+        """Freeze every target, capture each, thaw every target; sets `frozen_ms` and `dump_ms` (per container).
 
         The thaw runs as its own task, kept in `thawing`, so that it finishes
         even if this call is cancelled twice. Unless the checkpoint asked for
@@ -347,32 +358,33 @@ class Checkpointer:
         is dumped with CRIU's --tcp-close (its restore gets them closed; the
         source keeps them), and its name goes into `tcp_closed`.
         """
+        pod, targets, entry, flags = self.pod, self.targets, self.entry, self.flags
         total = len(targets)
         s = self.settings
         os.makedirs(s.logs_dir, mode=0o700, exist_ok=True)
         guard = await asyncio.to_thread(
             wd.arm, [t.freezer for t in targets], max_freeze=s.timeouts.max_freeze,
-            log_path=os.path.join(s.logs_dir, "watchdog.log"), work_dir=work,
+            log_path=os.path.join(s.logs_dir, "watchdog.log"), work_dir=self.work,
         )
         entry.data["watchdog"] = guard.pid
-        self.journal.write(entry)
-        helpers: list[asyncio.subprocess.Process] = []
-        done = [0]
-        dump_ms: dict[str, float] = {}
+        self.service.journal.write(entry)
+        done = 0
         ok = False
         t_freeze = time.monotonic()
         try:
-            progress(Progress("freeze", 0, total, message=f"freezing {total} container(s)"))
+            self.progress(Progress("freeze", 0, total, message=f"freezing {total} container(s)"))
             await asyncio.gather(*(asyncio.to_thread(freezer.freeze, t.freezer) for t in targets))
-            phase[0] = "dump"
-            progress(Progress("dump", 0, total))
+            self.phase = "dump"
+            self.progress(Progress("dump", 0, total))
             log.debug("pod %s: %d container(s) frozen, dumping", pod.ref, total, extra={"pod": pod.ref, "phase": "dump"})
 
             async def dump(t: _Target) -> None:
+                nonlocal done
+
                 async def started(pid: int) -> None:
                     guard.follow(pid)
                     entry.data["helpers"].append({"pid": pid, "start": wd.proc_starttime(pid)})
-                    await asyncio.to_thread(self.journal.write, entry)
+                    await asyncio.to_thread(self.service.journal.write, entry)
 
                 t0 = time.monotonic()
                 t_flags = flags
@@ -383,7 +395,7 @@ class Checkpointer:
                         # restore the images without the option, so on every dump it would keep other
                         # runtimes (containerd's own restore of an export) from restoring any checkpoint.
                         t_flags = replace(flags, tcp_close=True)
-                        tcp_closed.append(t.name)
+                        self.tcp_closed.append(t.name)
                         log.info("pod %s, container %s: %d TCP connection(s) held; the restore gets them closed: %s",
                                  pod.ref, t.name, len(held), "; ".join(held[:5]),
                                  extra={"pod": pod.ref, "phase": "dump"})
@@ -393,16 +405,16 @@ class Checkpointer:
                 )
                 try:
                     await asyncio.gather(
-                        self.runc.checkpoint(
+                        self.service.runc.checkpoint(
                             t.id, image_dir=os.path.join(t.dir, podformat.IMAGES_DIR),
                             work_dir=os.path.join(t.dir, "work"), flags=t_flags,
-                            parent=f"../{podformat.PREDUMP_DIR}" if pre_dump else None,
-                            on_start=started, procs=helpers,
+                            parent=f"../{podformat.PREDUMP_DIR}" if self.pre_dump else None,
+                            on_start=started, procs=self.helpers,
                         ),
                         diff,
                     )
                 except RuntimeFailure as exc:
-                    kept = self._keep_log(entry.op_id, t.name, exc.log_path)
+                    kept = self.keep_log(t.name, exc.log_path)
                     raise errors.FailedPrecondition(
                         f"checkpoint of pod {pod.ref}, container {t.name}, phase {exc.phase}: "
                         + "; ".join(exc.decisive or [exc.message])
@@ -411,45 +423,43 @@ class Checkpointer:
                     ) from exc
                 except BridgeError as exc:
                     raise errors.FailedPrecondition(f"checkpoint of pod {pod.ref}, container {t.name}: {exc}") from exc
-                dump_ms[t.name] = (time.monotonic() - t0) * 1000
-                done[0] += 1
-                progress(Progress("dump", done[0], total, message=t.name))
+                self.dump_ms[t.name] = (time.monotonic() - t0) * 1000
+                done += 1
+                self.progress(Progress("dump", done, total, message=t.name))
 
             jobs = [dump(t) for t in targets]
             if shm:
-                jobs.append(devshm.capture(shm, work))
+                jobs.append(devshm.capture(shm, self.work))
             await _gather_all(jobs)
             ok = True
         finally:
             # Thaw first, whatever happened; then wait out helpers on failure.
-            thaw = asyncio.ensure_future(self._thaw(targets, guard, helpers, ok))
-            thawing.append(thaw)
+            thaw = asyncio.ensure_future(self.thaw(guard, ok))
+            self.thawing.append(thaw)
             await asyncio.shield(thaw)
-        frozen_ms = (time.monotonic() - t_freeze) * 1000
-        progress(Progress("thaw", total, total, message=f"frozen {frozen_ms:.0f} ms"))
-        return frozen_ms, dump_ms
+        self.frozen_ms = (time.monotonic() - t_freeze) * 1000
+        self.progress(Progress("thaw", total, total, message=f"frozen {self.frozen_ms:.0f} ms"))
 
-    async def _pre_dump(self, pod: Pod, targets: list[_Target], flags: CheckpointFlags, progress: ProgressFn) -> None:
+    async def pre_dump_all(self) -> None:
         """Copy memory while the pod runs; the frozen dump then takes only dirty pages."""
-        progress(Progress("pre-dump", 0, len(targets)))
+        self.progress(Progress("pre-dump", 0, len(self.targets)))
 
         async def one(t: _Target) -> None:
             try:
-                await self.runc.checkpoint(
+                await self.service.runc.checkpoint(
                     t.id, image_dir=os.path.join(t.dir, podformat.PREDUMP_DIR), work_dir=os.path.join(t.dir, "work-predump"),
-                    flags=flags, pre_dump=True,
+                    flags=self.flags, pre_dump=True,
                 )
             except RuntimeFailure as exc:
                 raise errors.FailedPrecondition(
-                    f"checkpoint of pod {pod.ref}, container {t.name}, phase {exc.phase}: "
+                    f"checkpoint of pod {self.pod.ref}, container {t.name}, phase {exc.phase}: "
                     + "; ".join(exc.decisive or [exc.message])
                 ) from exc
 
-        await _gather_all([one(t) for t in targets])
+        await _gather_all([one(t) for t in self.targets])
 
-    async def _thaw(
-        self, targets: list[_Target], guard: wd.Armed, helpers: list[asyncio.subprocess.Process], ok: bool
-    ) -> None:
+    async def thaw(self, guard: wd.Armed, ok: bool) -> None:
+        """Thaw every target; after a failure, once more when runc and CRIU are gone (the watchdog meanwhile)."""
         def thaw(t: _Target) -> None:
             try:
                 freezer.thaw(t.freezer)
@@ -459,7 +469,7 @@ class Checkpointer:
         async def thaw_all() -> None:
             # All at once: a thaw can take tens of milliseconds, and every
             # container of the pod waits for the last one.
-            await asyncio.gather(*(asyncio.to_thread(thaw, t) for t in targets))
+            await asyncio.gather(*(asyncio.to_thread(thaw, t) for t in self.targets))
 
         await thaw_all()
         if ok:
@@ -468,16 +478,16 @@ class Checkpointer:
             # CRIU re-freezes a cgroup it found frozen when it finishes; the
             # watchdog keeps thawing until runc and CRIU are gone.
             guard.release()
-            for proc in helpers:
+            for proc in self.helpers:
                 await reap(proc, grace=self.settings.timeouts.cleanup)
             await thaw_all()
         await asyncio.to_thread(guard.wait, 5.0)
 
-    def _keep_log(self, op_id: str, name: str, path: str | None) -> str | None:
+    def keep_log(self, name: str, path: str | None) -> str | None:
         """A copy of CRIU's log under logs/, for people; where it cannot be made (a full disk), None and a warning."""
         if not path or not os.path.exists(path):
             return None
-        dest = os.path.join(self.settings.logs_dir, op_id, f"{name}-{os.path.basename(path)}")
+        dest = os.path.join(self.settings.logs_dir, self.entry.op_id, f"{name}-{os.path.basename(path)}")
         try:
             os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
             shutil.copyfile(path, dest)
@@ -488,10 +498,8 @@ class Checkpointer:
             return None
         return dest
 
-    def _metadata(
-        self, pod: Pod, pod_detail: PodDetail, targets: list[_Target], flags: CheckpointFlags,
-        frozen_ms: float, dump_ms: dict[str, float], criu_version: str,
-    ) -> dict[str, Any]:
+    def metadata(self, criu_version: str) -> dict[str, Any]:
+        pod = self.pod
         return {
             "kind": podformat.METADATA_KIND,
             "version": 1,
@@ -505,22 +513,23 @@ class Checkpointer:
                 {
                     "name": t.name, "id": t.id, "image": t.detail.container.image,
                     "image_ref": t.detail.container.image_ref,
-                    "dump_ms": round(dump_ms.get(t.name, 0.0), 1),
+                    "dump_ms": round(self.dump_ms.get(t.name, 0.0), 1),
                 }
-                for t in targets
+                for t in self.targets
             ],
-            "frozen_ms": round(frozen_ms, 1),
-            "options": flags.as_options(),
+            "frozen_ms": round(self.frozen_ms, 1),
+            "options": self.flags.as_options(),
             "criu_version": criu_version,
         }
 
-    def _write_config_files(self, work: str, pod_detail: PodDetail, targets: list[_Target]) -> None:
+    def write_config_files(self) -> None:
         def dump(path: str, obj: Any) -> None:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(obj, fh, sort_keys=True, indent=1)
 
-        dump(os.path.join(work, podformat.POD_CONFIG), {"config": pod_detail.config, "runtime_handler": pod_detail.pod.runtime_handler})
-        for t in targets:
+        pod_detail = self.pod_detail
+        dump(os.path.join(self.work, podformat.POD_CONFIG), {"config": pod_detail.config, "runtime_handler": pod_detail.pod.runtime_handler})
+        for t in self.targets:
             d = t.detail
             dump(os.path.join(t.dir, podformat.CONFIG_DUMP), {
                 "id": d.container.id, "name": d.container.name,
@@ -543,44 +552,6 @@ class Checkpointer:
             if os.path.exists(os.path.join(wdir, "stats-dump")):  # the images dir is where readers look
                 os.replace(os.path.join(wdir, "stats-dump"), os.path.join(t.dir, podformat.IMAGES_DIR, "stats-dump"))
             shutil.rmtree(wdir, ignore_errors=True)
-
-    def seal_key(self, namespace: str) -> SealKey | None:
-        """The key the namespace's checkpoints are sealed under (None: not encrypted)."""
-        return self.keys.seal_key(namespace) if self.keys is not None else None
-
-    def rekey(self, record: CheckpointRecord) -> tuple[CheckpointRecord, signing.CopySignature]:
-        """A copy of ``record`` sealed under its namespace's newest key (or in the clear if its domain has none).
-
-        Synchronous (a worker thread). Unchanged when it is sealed under that
-        key already: the copy is the same bytes, so the same id. A new copy
-        is signed by the node only if ``record`` carries a signature trusted
-        for its namespace or by the node's key (``signing.sign_copy``, which
-        says why not).
-        """
-        record.require_open()
-        pod = record.metadata.get("pod")
-        namespace = str(pod.get("namespace", "")) if isinstance(pod, dict) else ""
-        namespace = namespace or record.annotations.get(podformat.POD_ANNOTATION, "").partition("/")[0]
-        if not namespace:
-            raise errors.FailedPrecondition(f"checkpoint {record.id} names no namespace: its key domain is unknown")
-        new = self.store.copy(record, seal=self.seal_key(namespace))
-        signed = signing.CopySignature()
-        if new.id != record.id:  # a new checkpoint: signed if its source is vouched for, never laundered
-            signed = signing.sign_copy(self.settings.signing.key_file, self.store, record, new.id, self.settings,
-                                       namespace)
-        log.info("checkpoint %s re-encrypted as %s (key %s -> %s)", record.id, new.id, record.key_id or "none",
-                 new.key_id or "none", extra={"checkpoint": new.id})
-        return new, signed
-
-    def _ingest(self, work: str, meta: dict[str, Any], store: Store | None = None) -> CheckpointRecord:
-        seal = self.seal_key(str(meta["pod"]["namespace"]))
-        with (store or self.store).writer(seal=seal) as w:
-            w.add_tree("", work)
-            record = w.commit(meta, annotations=manifest_annotations(meta))
-            # Signed right after the publish; a failure removes it again and fails the checkpoint.
-            signing.sign_published(self.settings.signing.key_file, store or self.store, record.id)
-            self.metrics.observe_ingest(record, w.bytes_written)
-            return record
 
 
 def _hint(lines: Sequence[str]) -> str:

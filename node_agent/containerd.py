@@ -22,10 +22,16 @@ from criu_bridge.wrapper import PLAN_ANNOTATION
 from node_agent.errors import FailedPrecondition, InvalidArgument
 
 VERSIONS = (2, 3)
-_RUNTIMES = {
-    2: ("plugins", "io.containerd.grpc.v1.cri", "containerd", "runtimes"),
-    3: ("plugins", "io.containerd.cri.v1.runtime", "containerd", "runtimes"),
-}
+# The CRI plugins. Version 2 has one, io.containerd.grpc.v1.cri; version 3 splits
+# it into the runtime part (the runtime handlers, CNI, CDI), the images part
+# (snapshotter, pinned images, registry) and the server, where only the
+# streaming settings are left.
+CRI = "io.containerd.grpc.v1.cri"
+CRI_RUNTIME = "io.containerd.cri.v1.runtime"
+CRI_IMAGES = "io.containerd.cri.v1.images"
+# The plugin whose `containerd.runtimes` table holds the runtime handlers, by version.
+RUNTIME_PLUGIN = {2: CRI, 3: CRI_RUNTIME}
+_RUNTIMES = {version: ("plugins", plugin, "containerd", "runtimes") for version, plugin in RUNTIME_PLUGIN.items()}
 SANDBOXER = "podsandbox"
 
 
@@ -53,6 +59,24 @@ def runtimes(doc: Mapping[str, Any], version: int) -> Mapping[str, Any]:
     for key in _RUNTIMES[version]:
         node = node.get(key, {}) if isinstance(node, Mapping) else {}
     return node if isinstance(node, Mapping) else {}
+
+
+def all_runtimes(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime handler tables of a parsed config in either version's layout (version 3's win)."""
+    found = dict(runtimes(doc, 2))
+    found.update(runtimes(doc, 3))
+    return found
+
+
+def plugin_table(plugin: str) -> str:
+    """The TOML table name of `plugin`'s settings: plugins."NAME"."""
+    return f'plugins."{plugin}"'
+
+
+def containerd_table(version: int) -> str:
+    """The TOML table name of the CRI runtime settings (default_runtime_name) in a config of `version`."""
+    plugins, plugin, containerd, _ = _RUNTIMES[version]
+    return f'{plugins}."{plugin}".{containerd}'
 
 
 def table(version: int, handler: str) -> str:

@@ -36,17 +36,19 @@ from node_agent import agentlock, errors, runtime_handler, signing
 from node_agent import sdnotify
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import Listeners
-from node_agent.api.security import check_socket_free
+from node_agent.api.unix_sockets import check_socket_free
 from node_agent.checkpointing import Checkpointer
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
 from node_agent.keys import Keys
 from node_agent.metrics import Metrics
 from node_agent.podformat import POD_ANNOTATION
 from node_agent.recovery import gc_plans, recover
+from node_agent.rekeying import Rekeyer
 from node_agent.restoring import Restorer
 from node_agent.store import Store
+from node_agent.transfers import Transfers
 from node_agent.undoing import Undoer
 
 if TYPE_CHECKING:
@@ -165,7 +167,8 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
     store = Store(s.store, keys=keys)
     from node_agent.registry.fetching import RemoteBlobs
 
-    store.origins.fetcher = RemoteBlobs(store, settings=s.registry)  # chunks that lazy pulls left in their registries
+    remote = RemoteBlobs(store, settings=s.registry)
+    store.origins.fetcher = remote  # chunks that lazy pulls left in their registries
     report = await asyncio.to_thread(store.recover)
     log.info("store at %s: %s", s.store, report)
     journal = Journal(s.journal_dir)
@@ -179,6 +182,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
         metrics = Metrics()
         metrics.store_size = store.usage
         checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys, undoer=undoer)
+        rekeyer = Rekeyer(s, store, keys)
         restorer = Restorer(s, cri, store, journal, criu, metrics, undoer=undoer)
         policy = retention_policy(s)
 
@@ -186,7 +190,8 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
             return store.gc(policy, dry_run=dry_run)
 
         devices = await start_devices(s, metrics)
-        servicer = AgentServicer(checkpointer, restorer, store, gc, devices=devices)
+        transfers = Transfers(s, store, seal_for=checkpointer.seal_key, remote=remote)
+        servicer = AgentServicer(checkpointer, restorer, store, gc, transfers=transfers, devices=devices, rekeyer=rekeyer)
         listeners = Listeners(s, servicer, metrics)
         server = listeners.root_server()
         await listeners.bind(server)

@@ -52,8 +52,9 @@ from typing import IO, Any, Final
 import msgspec
 
 from node_agent import errors
-from node_agent.config import Encryption, KeySource
-from node_agent.store.sealing import KEY_BYTES, KEY_ID_RE, SealKey
+from node_agent.config.schema import Encryption, KeySource
+from node_agent.names import KEY_ID_RE
+from node_agent.store.sealing import KEY_BYTES, SealKey
 
 log = logging.getLogger(__name__)
 

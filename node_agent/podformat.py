@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 
 from criu_bridge.runtime import CHECKPOINT_OPTIONS, RECORDED_OPTIONS, CheckpointFlags
 from node_agent import errors, hostaccess, strictjson
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.options import boolean
 from node_agent.store import CheckpointRecord, Store
 
@@ -58,7 +58,7 @@ CONFIG_DUMP = "config.dump"
 SPEC_DUMP = "spec.dump"
 DUMP_LOG = "dump.log"
 # The store's directory of the files the agent made for imported archives
-# (their marker mounts, `interop.importing`): not host access.
+# (their marker mounts, `interop.archive_import`): not host access.
 INTEROP_DIR = "interop"
 
 # A task's pagemap in a container's images, and the pages file it describes.

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from node_agent import errors
-from node_agent.config import NamespaceRule, Settings
+from node_agent.config.schema import NamespaceRule, Settings
 
 Action = Literal["checkpoint", "restore"]
 ACTIONS: tuple[Action, ...] = ("checkpoint", "restore")

@@ -29,7 +29,7 @@ from criu_bridge import freezer
 from criu_bridge.freezer import Freezer
 from criu_bridge.watchdog import alive, descendants, holders, proc_argv
 from node_agent import errors
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
 from node_agent.journal import Journal
 from node_agent.lazy import strays

@@ -5,15 +5,19 @@ CRI with the restore runtime handler, puts the pod's /dev/shm back, creates
 each container, and leaves a restore plan per container ID for the runtime
 wrapper (`criu_bridge.wrapper`), which turns the container's `create` into
 `runc restore` when someone calls StartContainer. Before anything is made,
-`admit` applies the node's policy for the target namespace, the rule on
-other engines' checkpoints and the signature requirement (every restore
-path, the CRI endpoint's restore through a Pod included, asks it).
+the request's `admission.RestoreAdmission` applies the node's policy for the
+target namespace, the rule on other engines' checkpoints, the signature
+requirement and the host-access check (every restore path, the CRI
+endpoint's restore through a Pod included, asks the same rules there).
 Everything created is journalled, the sandbox before RunPodSandbox is
 called, and removed again on any error, until the runtime confirms it
 (`node_agent.undoing`). A lazy
 restore (`node_agent.lazy`) stages the memory that can come on demand
 sparse and starts each container's lazy-pages helpers once its plan is
-written.
+written. `Restorer` is the long-lived service; each restore is a
+`RestoreRun`, which holds that operation's state (the request, the
+checkpoint, the phase, the sandbox and containers made, the journal entry)
+and whose methods are its steps.
 """
 
 from __future__ import annotations
@@ -25,26 +29,25 @@ import os
 import secrets
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from criu_bridge import locks
 from criu_bridge.errors import RuntimeFailure
 from criu_bridge.rpc import CriuClient
 from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
-from node_agent import devshm, errors, hostaccess, podformat, policy, runtime_handler, signing
-from node_agent.config import Settings
+from node_agent import devshm, errors, hostaccess, podformat, runtime_handler
+from node_agent.admission import RestoreAdmission, RestoreOptions, admit
+from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
 from node_agent.cri.client import RuntimeUnavailable
 from node_agent.interop import imagefacts
-from node_agent.interop.foreign import IMPORTED_FROM
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
 from node_agent.lazy.restores import LazyRestores
 from node_agent.lazy.staging import lazy_pages_files, write_sparse_pages
 from node_agent.metrics import Metrics, instrumented
-from node_agent.options import boolean
-from node_agent.podformat import SavedPod, check_host_access, check_name, load_saved
+from node_agent.podformat import SavedPod, check_name, load_saved
 from node_agent.progress import Progress, ProgressFn, no_progress
 from node_agent.replicas import Replica, Replicas, log_path_of, now_rfc3339
 from node_agent.store import CheckpointRecord, Store
@@ -52,34 +55,9 @@ from node_agent.undoing import RESTORE_OP, Undoer, sandbox_record
 
 log = logging.getLogger(__name__)
 
-# allow-host-access: let a checkpoint's configs reach into the host (host
-# mounts, devices, privileged mode, host namespaces, added capabilities;
-# `hostaccess`), refused by default: a checkpoint is hostile input.
-# lazy: start the containers before their memory is read (default: the
-# lazy-restore setting, where CRIU and the kernel support it).
-# Both take `true` or `false`, nothing else.
-RESTORE_OPTIONS = {"allow-host-access", "lazy"}
 # How long a failed StartContainer of a lazy restore waits for its page source's account of why.
 LAZY_REASON_WAIT = 5.0
 RESTORED_FROM = "node-agent.io/restored-from"
-
-
-@dataclass(frozen=True)
-class RestoreOptions:
-    allow_host_access: bool = False
-    lazy: bool | None = None  # None: the node's default
-
-
-def parse_restore_options(options: Mapping[str, str]) -> RestoreOptions:
-    """A restore's options, strictly: known keys, values `true` or `false`."""
-    values: dict[str, bool] = {}
-    for key, value in options.items():
-        if key not in RESTORE_OPTIONS:
-            raise errors.InvalidArgument(
-                f"unknown restore option {key!r} (supported: {', '.join(sorted(RESTORE_OPTIONS))})"
-            )
-        values[key.replace("-", "_")] = boolean(value, f"restore option {key!r}")
-    return RestoreOptions(**values)
 
 
 @dataclass(frozen=True)
@@ -88,7 +66,8 @@ class RestoreRequest:
     namespace: str = ""
     name: str = ""
     start: bool = False
-    options: Mapping[str, str] = field(default_factory=dict)
+    # Parsed by the entry path (`admission.parse_restore_options`, or a Pod's annotations).
+    options: RestoreOptions = RestoreOptions()
     runtime_handler: str = ""
     # CRI RestorePod: the store holding the checkpoint (the agent's own when
     # None), and the caller's new PodSandboxConfig and ContainerConfigs (by
@@ -185,6 +164,11 @@ def with_restored_from(pod_config: Mapping[str, Any], checkpoint_id: str) -> dic
 
 
 class Restorer:
+    """The restore service: long-lived clients, the pods being restored into, the CPU checks passed.
+
+    Each `restore` call is a `RestoreRun`.
+    """
+
     def __init__(
         self, settings: Settings, cri: CriClient, store: Store, journal: Journal, criu: CriuClient, metrics: Metrics,
         *, undoer: Undoer | None = None,
@@ -206,23 +190,22 @@ class Restorer:
     async def restore(
         self, req: RestoreRequest, *, timeout: float | None = None, progress: ProgressFn = no_progress
     ) -> RestoredPod:
-        parse_restore_options(req.options)  # refused before anything is touched
         timeout = timeout if timeout is not None else self.settings.timeouts.restore
-        phase = ["verify"]
-        entry = Entry("restore", data={"sandboxes": [], "plans": []})
+        run = RestoreRun(self, req, progress)
+        entry = run.entry
         try:
             async with asyncio.timeout(timeout):
-                result = await self._run(req, entry, phase, progress)
+                result = await run.run()
         except BaseException as exc:
-            done = await asyncio.shield(asyncio.ensure_future(self._undo(entry)))
+            done = await asyncio.shield(asyncio.ensure_future(run.undo()))
             undone = ("everything it created was removed" if done else "removing what it created is pending: the "
                       f"agent retries until the runtime answers (journal entry {entry.op_id})")
             if isinstance(exc, TimeoutError):
                 raise errors.DeadlineExceeded(f"restore of {req.checkpoint_id}: the deadline ({timeout:g}s) passed "
-                                              f"during {phase[0]}; {undone}") from exc
+                                              f"during {run.phase}; {undone}") from exc
             if isinstance(exc, RuntimeUnavailable) and entry.pid:
                 raise errors.Unavailable(
-                    f"restore as pod {entry.data.get('pod', '?')}, phase {phase[0]}: the container runtime at "
+                    f"restore as pod {entry.data.get('pod', '?')}, phase {run.phase}: the container runtime at "
                     f"{self.settings.cri_endpoint} did not answer ({_innermost(exc)}); {undone}"
                 ) from exc
             if not done and isinstance(exc, errors.AgentError):  # the caller hears that something stays, for now
@@ -231,92 +214,6 @@ class Restorer:
         self.journal.remove(entry)
         self.lazy.done(entry.op_id)
         return result
-
-    async def _run(self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn) -> RestoredPod:
-        store = req.source or self.store
-        record = await asyncio.to_thread(store.get, req.checkpoint_id)
-        # Removing the checkpoint (or retention dropping it) meanwhile leaves
-        # its blobs in place until this restore is done with them.
-        hold = await asyncio.to_thread(store.hold, record.id)
-        try:
-            return await self._run_held(req, entry, phase, progress, store, record)
-        finally:
-            hold.release()
-
-    async def _run_held(
-        self, req: RestoreRequest, entry: Entry, phase: list[str], progress: ProgressFn, store: Store,
-        record: CheckpointRecord,
-    ) -> RestoredPod:
-        saved = await asyncio.to_thread(load_saved, store, record)
-        if req.pod_config is not None:
-            given = req.pod_config.get("metadata") or {}
-            namespace = check_name("namespace", str(given.get("namespace", "")))
-            name = check_name("pod name", str(given.get("name", "")))
-            uid = str(given.get("uid") or "") or str(uuid.uuid4())
-        else:
-            namespace = check_name("namespace", req.namespace) if req.namespace else saved.namespace
-            name = check_name("pod name", req.name) if req.name else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253]
-            uid = str(uuid.uuid4())
-        where = f"{namespace}/{name}"
-        await self.admit(record, saved, namespace, where, req.source)
-        handler_name = req.runtime_handler or self.settings.runtime_handler
-        if where in self._targets:
-            raise errors.Aborted(f"restore as pod {where}: another restore into that pod is in progress")
-        self._targets.add(where)
-        try:
-            if any(p.namespace == namespace and p.name == name and p.ready for p in await self.cri.list_pods()):
-                raise errors.AlreadyExists(f"restore as pod {where}: a pod of that name is already running")
-            return await self._restore_into(req, record, saved, namespace, name, uid, where, handler_name,
-                                            entry, phase, progress)
-        finally:
-            self._targets.discard(where)
-
-    async def _restore_into(
-        self, req: RestoreRequest, record: CheckpointRecord, saved: SavedPod, namespace: str, name: str, uid: str,
-        where: str, handler_name: str, entry: Entry, phase: list[str], progress: ProgressFn,
-    ) -> RestoredPod:
-        opts = parse_restore_options(req.options)
-        check_host_access(record.id, saved, self.settings, allowed=opts.allow_host_access)
-        phase[0] = "preflight"
-        progress(Progress("preflight", message=where))
-        await self.preflight(record, saved, req.source)
-        # The handler must be this agent's wrapper, or the containers would
-        # start fresh from their images: refused before anything is made.
-        await runtime_handler.require(self.cri, self.settings, handler_name, f"restore as pod {where}")
-
-        phase[0] = "sandbox"
-        pod_config = (
-            target_pod_config(saved, namespace, name, uid, record.id, self.settings.pod_log_root)
-            if req.pod_config is None else with_restored_from(req.pod_config, record.id)
-        )
-        pod_config["annotations"] = {**(pod_config.get("annotations") or {}), RESTORE_OP: entry.op_id}
-        # The sandbox is findable before it exists: an answer lost leaves no sandbox behind.
-        entry.data.update({"checkpoint": record.id, "pod": where, "sandbox": sandbox_record(pod_config, entry.op_id)})
-        self.journal.write(entry)
-        lazy = await self.lazy.wanted(opts.lazy, record)
-        progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
-        # Read and verify every file while containerd makes the sandbox.
-        staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
-        os.makedirs(staging, mode=0o700)
-        try:
-            unpack = asyncio.create_task(
-                asyncio.to_thread(self.unpack, record, staging, req.source, lazy), name=f"unpack {record.id[:19]}"
-            )
-            try:
-                pod_id = await self.cri.run_pod(pod_config, handler_name)
-            except BaseException:
-                await _settle(unpack)
-                raise
-            entry.data["sandboxes"].append(pod_id)
-            self.journal.write(entry)
-            phase[0] = "verify"
-            progress(Progress("verify", message=record.id))
-            await unpack
-            await devshm.restore(self.cri, staging, pod_id, where)
-            return await self._containers(req, record, saved, staging, pod_id, pod_config, where,
-                                          namespace, name, uid, entry, phase, progress, lazy, handler_name, opts)
-        finally:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
 
     def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None, lazy: bool = False) -> None:
         """Read and verify the files the restore needs into ``staging``.
@@ -337,74 +234,13 @@ class Restorer:
         except pagemap.PagemapError as exc:
             raise errors.DataLoss(f"checkpoint {record.id}: unusable memory image: {exc}") from exc
 
-    async def _containers(
-        self, req: RestoreRequest, record: CheckpointRecord, saved: SavedPod, staging: str, pod_id: str,
-        pod_config: dict[str, Any], where: str, namespace: str, name: str, uid: str, entry: Entry,
-        phase: list[str], progress: ProgressFn, lazy: bool, handler_name: str, opts: RestoreOptions,
-    ) -> RestoredPod:
-        created: list[tuple[str, str, str]] = []  # name, container ID, plan nonce
-        for i, (cname, cfg, _spec) in enumerate(saved.containers):
-            phase[0] = f"create {cname}"
-            if req.container_configs is not None:
-                ccfg = dict(req.container_configs[cname])
-            else:
-                ccfg = target_container_config(cfg["config"], cname, allow_host_access=opts.allow_host_access)
-            nonce = secrets.token_hex(16)
-            cid = await self.cri.create_container(pod_id, with_plan_mark(ccfg, nonce), pod_config)
-            plan_dir = os.path.join(self.settings.plans_dir, cid)
-            entry.data["plans"].append(plan_dir)
-            self.journal.write(entry)
-            await asyncio.to_thread(self.write_plan, record, staging, cname, plan_dir, where, saved.options, lazy,
-                                    nonce=nonce, mounts=ccfg.get("mounts"), sandbox=pod_id,
-                                    logs=(str(pod_config.get("log_directory") or ""), str(ccfg.get("log_path") or "")))
-            if lazy:
-                await self.lazy.start(entry.op_id, req.source or self.store, record, where, cname, cid, plan_dir,
-                                      callers=req.source is not None, exists=self._exists(cid))
-            created.append((cname, cid, nonce))
-            progress(Progress("create", i + 1, len(saved.containers), message=cname))
-
-        started = False
-        if req.start:
-            for i, (cname, cid, nonce) in enumerate(created):
-                phase[0] = f"start {cname}"
-                log.debug("restore of pod %s: starting container %s (%s)", where, cname, cid[:13],
-                          extra={"pod": where, "container": cname, "phase": "start"})
-                try:
-                    await self.cri.start_container(cid)
-                except errors.AgentError as exc:
-                    # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason: the
-                    # page source then only lost its restore. When CRIU itself failed under a lazy
-                    # restore, the page source says why (a chunk that failed verification, a registry
-                    # gone), not the log CRIU left as it was cut off.
-                    refused = runtime_handler.refusal(os.path.join(self.settings.plans_dir, cid))
-                    if refused is not None and not isinstance(refused, errors.Internal):
-                        raise refused from exc
-                    why = await self.lazy.failure(entry.op_id, cid, LAZY_REASON_WAIT) if lazy else ""
-                    if why:
-                        code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
-                        raise code(why) from exc
-                    if refused is not None:
-                        raise refused from exc
-                    raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
-                await runtime_handler.verify_restored(
-                    self.cri, self.settings, cid, os.path.join(self.settings.plans_dir, cid), nonce,
-                    where=f"restore of pod {where}, container {cname}", handler=handler_name)
-                progress(Progress("start", i + 1, len(created), message=cname))
-            started = True
-        log.info("checkpoint %s restored as pod %s (%s)", record.id, where, pod_id[:13],
-                 extra={"pod": where, "checkpoint": record.id, "phase": "restored"})
-        # Success: the journal entry goes, so recovery leaves the pod alone.
-        entry.data = {}
-        return RestoredPod(pod_id, namespace, name, uid, record.id, tuple((n, c) for n, c, _ in created), started)
-
     async def admit(self, record: CheckpointRecord, saved: SavedPod, namespace: str, where: str,
                     source: Store | None = None) -> str:
         """May this checkpoint be restored into `namespace` (as pod `where`)? PERMISSION_DENIED if not.
 
-        Every restore asks, before anything is made: `restore` (store, API,
-        CRI RestorePod) and restore through a Pod (the CRI endpoint, also
-        for a pull before it is published: `admit`). Returns the signer's
-        key id ("" when no signature is required).
+        `admission.admit`, off the event loop, reading signatures from
+        `source` (the agent's store when None). Returns the signer's key id
+        ("" when no signature is required).
         """
         return await asyncio.to_thread(admit, self.settings, source or self.store, record, saved, namespace, where)
 
@@ -443,18 +279,6 @@ class Restorer:
             self._cpu_ok.add(record.id)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
-    def _exists(self, container_id: str) -> Any:
-        async def exists() -> bool | None:
-            try:
-                await self.cri.container_status(container_id)
-            except errors.NotFound:
-                return False
-            except errors.AgentError:
-                return None  # not known now; asked again later
-            return True
-
-        return exists
 
     async def shutdown(self) -> None:
         """The agent stops: end the helpers of containers not started yet; let running transfers go on alone."""
@@ -505,58 +329,215 @@ class Restorer:
             self.replicas.record(Replica(os.path.basename(plan_dir), sandbox, where, cname, record.id, lazy,
                                          log_path_of(*logs), logs[0], now_rfc3339()))
 
-    async def _undo(self, entry: Entry) -> bool:
+
+class RestoreRun:
+    """One restore of one checkpoint as one pod: its state from the request to the restored pod, and its steps.
+
+    `phase` is the step under way, as errors and a passed deadline name it.
+    Everything the run makes is recorded in its journal entry (`entry`: the
+    sandbox before it is asked for, each sandbox and plan once made), which
+    `undo` removes again when the run fails.
+    """
+
+    # Set by the steps, in order: the checkpoint and where it is read from, the pod it
+    # becomes, its rules, the sandbox's config and ID, the staging dir, whether lazily.
+    store: Store
+    record: CheckpointRecord
+    saved: SavedPod
+    namespace: str
+    name: str
+    uid: str
+    where: str
+    handler: str
+    admission: RestoreAdmission
+    pod_config: dict[str, Any]
+    pod_id: str
+    staging: str
+    lazy: bool
+
+    def __init__(self, service: Restorer, req: RestoreRequest, progress: ProgressFn) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.req = req
+        self.options = req.options
+        self.progress = progress
+        self.phase = "verify"
+        self.entry = Entry("restore", data={"sandboxes": [], "plans": []})
+        self.created: list[tuple[str, str, str]] = []  # name, container ID, plan nonce
+        self.started = False
+
+    async def run(self) -> RestoredPod:
+        """Hold the checkpoint while it is restored.
+
+        Removing it (or retention dropping it) meanwhile leaves its blobs in
+        place until this restore is done with them.
+        """
+        self.store = self.req.source or self.service.store
+        self.record = await asyncio.to_thread(self.store.get, self.req.checkpoint_id)
+        hold = await asyncio.to_thread(self.store.hold, self.record.id)
+        try:
+            return await self._run_held()
+        finally:
+            hold.release()
+
+    async def _run_held(self) -> RestoredPod:
+        """The new pod's identity, the rules, one restore per target pod, then the restore into it."""
+        req, svc = self.req, self.service
+        self.saved = saved = await asyncio.to_thread(load_saved, self.store, self.record)
+        if req.pod_config is not None:
+            given = req.pod_config.get("metadata") or {}
+            self.namespace = check_name("namespace", str(given.get("namespace", "")))
+            self.name = check_name("pod name", str(given.get("name", "")))
+            self.uid = str(given.get("uid") or "") or str(uuid.uuid4())
+        else:
+            self.namespace = check_name("namespace", req.namespace) if req.namespace else saved.namespace
+            self.name = (check_name("pod name", req.name) if req.name
+                         else f"{saved.name}-restored-{secrets.token_hex(3)}"[:253])
+            self.uid = str(uuid.uuid4())
+        self.where = where = f"{self.namespace}/{self.name}"
+        self.admission = RestoreAdmission(self.settings, self.namespace, where, self.options)
+        await asyncio.to_thread(self.admission.admit, self.store, self.record, saved)
+        self.handler = req.runtime_handler or self.settings.runtime_handler
+        if where in svc._targets:
+            raise errors.Aborted(f"restore as pod {where}: another restore into that pod is in progress")
+        svc._targets.add(where)
+        try:
+            pods = await svc.cri.list_pods()
+            if any(p.namespace == self.namespace and p.name == self.name and p.ready for p in pods):
+                raise errors.AlreadyExists(f"restore as pod {where}: a pod of that name is already running")
+            return await self._restore_into()
+        finally:
+            svc._targets.discard(where)
+
+    async def _restore_into(self) -> RestoredPod:
+        """Preflight, the sandbox (journalled before it is asked for), the verified files, /dev/shm, the containers."""
+        req, svc, record, saved, where = self.req, self.service, self.record, self.saved, self.where
+        self.admission.check_host_access(record, saved)
+        self.phase = "preflight"
+        self.progress(Progress("preflight", message=where))
+        await svc.preflight(record, saved, req.source)
+        # The handler must be this agent's wrapper, or the containers would
+        # start fresh from their images: refused before anything is made.
+        await runtime_handler.require(svc.cri, self.settings, self.handler, f"restore as pod {where}")
+
+        self.phase = "sandbox"
+        self.pod_config = pod_config = (
+            target_pod_config(saved, self.namespace, self.name, self.uid, record.id, self.settings.pod_log_root)
+            if req.pod_config is None else with_restored_from(req.pod_config, record.id)
+        )
+        entry = self.entry
+        pod_config["annotations"] = {**(pod_config.get("annotations") or {}), RESTORE_OP: entry.op_id}
+        # The sandbox is findable before it exists: an answer lost leaves no sandbox behind.
+        entry.data.update({"checkpoint": record.id, "pod": where, "sandbox": sandbox_record(pod_config, entry.op_id)})
+        svc.journal.write(entry)
+        self.lazy = lazy = await svc.lazy.wanted(self.options.lazy, record)
+        self.progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
+        # Read and verify every file while containerd makes the sandbox.
+        self.staging = staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
+        os.makedirs(staging, mode=0o700)
+        try:
+            unpack = asyncio.create_task(
+                asyncio.to_thread(svc.unpack, record, staging, req.source, lazy), name=f"unpack {record.id[:19]}"
+            )
+            try:
+                self.pod_id = await svc.cri.run_pod(pod_config, self.handler)
+            except BaseException:
+                await _settle(unpack)
+                raise
+            entry.data["sandboxes"].append(self.pod_id)
+            svc.journal.write(entry)
+            self.phase = "verify"
+            self.progress(Progress("verify", message=record.id))
+            await unpack
+            await devshm.restore(svc.cri, staging, self.pod_id, where)
+            await self.create_containers()
+            if req.start:
+                await self.start_containers()
+            log.info("checkpoint %s restored as pod %s (%s)", record.id, where, self.pod_id[:13],
+                     extra={"pod": where, "checkpoint": record.id, "phase": "restored"})
+            # Success: the journal entry goes, so recovery leaves the pod alone.
+            entry.data = {}
+            return RestoredPod(self.pod_id, self.namespace, self.name, self.uid, record.id,
+                               tuple((n, c) for n, c, _ in self.created), self.started)
+        finally:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
+
+    async def create_containers(self) -> None:
+        """Each container in CREATED with its plan's mark, its plan written (journalled first), its lazy helpers."""
+        req, svc, record, saved, entry = self.req, self.service, self.record, self.saved, self.entry
+        for i, (cname, cfg, _spec) in enumerate(saved.containers):
+            self.phase = f"create {cname}"
+            if req.container_configs is not None:
+                ccfg = dict(req.container_configs[cname])
+            else:
+                ccfg = target_container_config(cfg["config"], cname, allow_host_access=self.options.allow_host_access)
+            nonce = secrets.token_hex(16)
+            cid = await svc.cri.create_container(self.pod_id, with_plan_mark(ccfg, nonce), self.pod_config)
+            plan_dir = os.path.join(self.settings.plans_dir, cid)
+            entry.data["plans"].append(plan_dir)
+            svc.journal.write(entry)
+            await asyncio.to_thread(svc.write_plan, record, self.staging, cname, plan_dir, self.where, saved.options,
+                                    self.lazy, nonce=nonce, mounts=ccfg.get("mounts"), sandbox=self.pod_id,
+                                    logs=(str(self.pod_config.get("log_directory") or ""),
+                                          str(ccfg.get("log_path") or "")))
+            if self.lazy:
+                await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
+                                     callers=req.source is not None, exists=self._exists(cid))
+            self.created.append((cname, cid, nonce))
+            self.progress(Progress("create", i + 1, len(saved.containers), message=cname))
+
+    async def start_containers(self) -> None:
+        """StartContainer for each, then verified as restored from its plan; a failure says the decisive reason."""
+        svc, where, plans_dir = self.service, self.where, self.settings.plans_dir
+        for i, (cname, cid, nonce) in enumerate(self.created):
+            self.phase = f"start {cname}"
+            log.debug("restore of pod %s: starting container %s (%s)", where, cname, cid[:13],
+                      extra={"pod": where, "container": cname, "phase": "start"})
+            try:
+                await svc.cri.start_container(cid)
+            except errors.AgentError as exc:
+                # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason: the
+                # page source then only lost its restore. When CRIU itself failed under a lazy
+                # restore, the page source says why (a chunk that failed verification, a registry
+                # gone), not the log CRIU left as it was cut off.
+                refused = runtime_handler.refusal(os.path.join(plans_dir, cid))
+                if refused is not None and not isinstance(refused, errors.Internal):
+                    raise refused from exc
+                why = await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT) if self.lazy else ""
+                if why:
+                    code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
+                    raise code(why) from exc
+                if refused is not None:
+                    raise refused from exc
+                raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc
+            await runtime_handler.verify_restored(
+                svc.cri, self.settings, cid, os.path.join(plans_dir, cid), nonce,
+                where=f"restore of pod {where}, container {cname}", handler=self.handler)
+            self.progress(Progress("start", i + 1, len(self.created), message=cname))
+        self.started = True
+
+    def _exists(self, container_id: str) -> Any:
+        cri = self.service.cri
+
+        async def exists() -> bool | None:
+            try:
+                await cri.container_status(container_id)
+            except errors.NotFound:
+                return False
+            except errors.AgentError:
+                return None  # not known now; asked again later
+            return True
+
+        return exists
+
+    async def undo(self) -> bool:
         """Remove every sandbox and plan this restore created, then its journal entry; False: still pending.
 
         Runs as its own task: a second cancellation of the call cannot cut it
         short. What the runtime could not remove now, the undoer retries.
         """
-        await self.lazy.cancel(entry.op_id)
-        return await self.undoer.undo(entry)
-
-
-def admit(settings: Settings, signatures: signing.ReferrerReader, record: CheckpointRecord, saved: SavedPod,
-          namespace: str, where: str) -> str:
-    """May `record` be restored into `namespace` (as pod `where`)? PERMISSION_DENIED if not (blocking).
-
-    In order: the namespace's policy (`namespaces:`), a checkpoint imported
-    from another engine's archive (`restore.allow-foreign`), a trusted
-    signature when `restore.require-signature` is set, read from
-    `signatures` (the store, or a pull not yet published). Returns the
-    signer's key id ("" when no signature is required).
-    """
-    policy.require(settings, "restore", namespace, where)
-    rules = settings.restore
-    engine = foreign_engine(record, saved)
-    if engine and not rules.allow_foreign:
-        raise errors.PermissionDenied(
-            f"restore as pod {where}: checkpoint {record.id} was imported from another engine's archive "
-            f"({engine}), not made by node-agent; this node restores such checkpoints only with "
-            "restore.allow-foreign: true"
-        )
-    if not rules.require_signature:
-        return ""
-    return signing.require_trusted(signatures, record, settings, namespace)
-
-
-def foreign_engine(record: CheckpointRecord, saved: SavedPod) -> str:
-    """The engine whose archive the checkpoint was imported from ("" for node-agent's own).
-
-    Import records it twice (`interop.plans`): the metadata's `imported.format`
-    (`node-agent` for the agent's own archives) and an annotation on the pod
-    and container configs, which an export and a re-import keep.
-    """
-    imported = record.metadata.get("imported") if isinstance(record.metadata, Mapping) else None
-    if imported is not None:
-        fmt = imported.get("format") if isinstance(imported, Mapping) else None
-        if fmt != "node-agent":
-            return fmt if isinstance(fmt, str) and fmt else "unknown"
-    for cfg in (saved.pod_config, *(c["config"] for _, c, _ in saved.containers)):
-        annotations = cfg.get("annotations")
-        engine = annotations.get(IMPORTED_FROM) if isinstance(annotations, Mapping) else None
-        if engine:
-            return str(engine)
-    return ""
+        await self.service.lazy.cancel(self.entry.op_id)
+        return await self.service.undoer.undo(self.entry)
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

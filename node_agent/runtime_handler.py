@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from criu_bridge.wrapper import FAILED, PLAN_ANNOTATION, PLAN_FILE, RESTORED, drop_data, launcher_settings
 from node_agent import errors
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
 
 log = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ from node_agent.oci import (
     EMPTY_DESCRIPTOR,
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
-    DescriptorError,
+    DocumentError,
     canonical_json,
     digest_hex,
-    read_descriptor,
+    read_manifest,
     sha256_digest,
 )
 
@@ -253,11 +253,14 @@ def _load(data: bytes, limit: int, what: str) -> dict[str, Any]:
     return doc
 
 
-def _exact_descriptor(raw: object, where: str, media_type: str, limit: int) -> Descriptor:
-    try:
-        desc = read_descriptor(raw, keys="exact", max_size=limit)
-    except DescriptorError as exc:
-        raise SignatureError("malformed", f"signature manifest: {where}: {exc.detail}") from None
+def _is_signature_type(kind: object) -> bool:
+    return kind == SIGNATURE_ARTIFACT_TYPE
+
+
+def _check_descriptor(desc: Descriptor, where: str, media_type: str, limit: int) -> Descriptor:
+    """A descriptor of the signature manifest with the one media type and the size bound its place has."""
+    if desc.size > limit:
+        raise SignatureError("malformed", f"signature manifest: {where}: size {desc.size!r}")
     if desc.media_type != media_type:
         raise SignatureError("malformed", f"signature manifest: {where} is {desc.media_type!r}, not {media_type}")
     return desc
@@ -266,21 +269,28 @@ def _exact_descriptor(raw: object, where: str, media_type: str, limit: int) -> D
 def decode_signature_manifest(data: bytes) -> SignatureManifest:
     """A signature manifest read as hostile input; SignatureError("malformed") on anything unexpected."""
     doc = _load(data, MAX_SIGNATURE_MANIFEST_BYTES, "signature manifest")
-    if set(doc) != _MANIFEST_KEYS:
-        raise SignatureError("malformed", f"signature manifest: keys {sorted(doc)[:10]}, want {sorted(_MANIFEST_KEYS)}")
-    if doc["schemaVersion"] != 2 or isinstance(doc["schemaVersion"], bool):
-        raise SignatureError("malformed", "signature manifest: schemaVersion is not 2")
-    if doc["mediaType"] != OCI_MANIFEST_MEDIA_TYPE or doc["artifactType"] != SIGNATURE_ARTIFACT_TYPE:
-        raise SignatureError("malformed", "signature manifest: not an OCI image manifest of a node-agent signature")
-    config = _exact_descriptor(doc["config"], "config", EMPTY_DESCRIPTOR.media_type, EMPTY_DESCRIPTOR.size)
+    try:
+        read = read_manifest(doc, required=_MANIFEST_KEYS, allowed=_MANIFEST_KEYS, artifact_type=_is_signature_type,
+                             max_layers=1, subject=True)
+    except DocumentError as exc:
+        if exc.descriptor is not None:
+            raise SignatureError("malformed", f"signature manifest: {exc.where}: {exc.detail}") from None
+        if exc.field == "keys":
+            raise SignatureError("malformed", f"signature manifest: keys {sorted(doc)[:10]}, want {sorted(_MANIFEST_KEYS)}") from None
+        if exc.field == "schemaVersion":
+            raise SignatureError("malformed", "signature manifest: schemaVersion is not 2") from None
+        if exc.field in ("mediaType", "artifactType"):
+            raise SignatureError("malformed", "signature manifest: not an OCI image manifest of a node-agent signature") from None
+        raise SignatureError("malformed", "signature manifest: layers is not a list of one descriptor") from None
+    config = _check_descriptor(read.config, "config", EMPTY_DESCRIPTOR.media_type, EMPTY_DESCRIPTOR.size)
     if config != EMPTY_DESCRIPTOR:
         raise SignatureError("malformed", "signature manifest: config is not the OCI empty descriptor")
-    layers = doc["layers"]
-    if not isinstance(layers, list) or len(layers) != 1:
+    if len(read.layers) != 1:
         raise SignatureError("malformed", "signature manifest: layers is not a list of one descriptor")
-    layer = _exact_descriptor(layers[0], "layers[0]", SIGNATURE_MEDIA_TYPE, MAX_SIGNATURE_BLOB_BYTES)
-    subject = _exact_descriptor(doc["subject"], "subject", OCI_MANIFEST_MEDIA_TYPE, 1 << 40)
-    notes = doc["annotations"]
+    layer = _check_descriptor(read.layers[0], "layers[0]", SIGNATURE_MEDIA_TYPE, MAX_SIGNATURE_BLOB_BYTES)
+    assert read.subject is not None  # read with subject=True
+    subject = _check_descriptor(read.subject, "subject", OCI_MANIFEST_MEDIA_TYPE, 1 << 40)
+    notes = read.annotations
     if not isinstance(notes, dict) or set(notes) != {KEY_ID_ANNOTATION}:
         raise SignatureError("malformed", f"signature manifest: annotations must be exactly {KEY_ID_ANNOTATION}")
     kid = notes[KEY_ID_ANNOTATION]

@@ -36,7 +36,7 @@ from criu_bridge import freezer, mountinfo
 from criu_bridge.errors import BridgeError
 from criu_bridge.freezer import Freezer
 from node_agent import errors
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
 from node_agent.cri.types import Pod
 from node_agent.journal import Entry, Journal

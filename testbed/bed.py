@@ -156,7 +156,7 @@ def reconfigured(bed: Bed, extra: str, *, trust: str = "") -> Iterator[Bed]:
 
 def testbed(*args: str, timeout: float = 600) -> str:
     cp = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "testbed"), *args], capture_output=True, text=True, timeout=timeout
+        [str(REPO / "scripts" / "testbed"), *args], capture_output=True, text=True, timeout=timeout
     )
     if cp.returncode != 0:
         raise AssertionError(f"scripts/testbed {' '.join(args)} failed ({cp.returncode}):\n{cp.stderr}\n{cp.stdout}")

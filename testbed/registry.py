@@ -33,6 +33,11 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
 
+# The fake servers' answers live in testbed/httpanswers.py; imported from here as well.
+from testbed.httpanswers import answer as answer
+from testbed.httpanswers import head_bytes as head_bytes
+from testbed.httpanswers import trickle as trickle
+
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -589,32 +594,3 @@ class FakeServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
-
-
-def answer(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
-    """A whole answer at once (no body for HEAD); Content-Length unless ``headers`` name one."""
-    handler.send_response(status)
-    for name, value in (headers or {}).items():
-        handler.send_header(name, value)
-    if "Content-Length" not in (headers or {}):
-        handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    if handler.command != "HEAD" and body:
-        handler.wfile.write(body)
-
-
-def head_bytes(status: int, headers: Mapping[str, str]) -> bytes:
-    """A status line and headers, as sent on the wire."""
-    reason = {200: "OK", 201: "Created", 202: "Accepted", 307: "Temporary Redirect", 401: "Unauthorized"}.get(status, "X")
-    lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
-    return "\r\n".join(lines).encode("latin-1")
-
-
-def trickle(handler: BaseHTTPRequestHandler, data: bytes, stopping: threading.Event, *, rate: float, piece: int = 1) -> None:
-    """Write ``data`` in ``piece``-byte writes at ``rate`` bytes per second, until done, the peer goes, or ``stopping``."""
-    interval = piece / rate
-    for start in range(0, len(data), piece):
-        handler.wfile.write(data[start : start + piece])
-        if stopping.wait(interval):
-            break
-    handler.close_connection = True

@@ -1,27 +1,30 @@
-"""The `nodeagent.v1.NodeAgent` servicer."""
+"""The `nodeagent.v1.NodeAgent` servicer: messages in, the agent's services called, messages out.
+
+Rule: the handlers only adapt; the work is the services' (checkpointing,
+restoring, `transfers`, the store). `abort_with` is the one place agent
+errors become gRPC statuses.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import os
-import shutil
-import tempfile
-import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import grpc
 
-from node_agent import errors, signing
+from node_agent import errors, signing, transfers
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api import convert
+from node_agent.admission import parse_checkpoint_options, parse_restore_options
 from node_agent.checkpointing import Checkpointer, CheckpointRequest
 from node_agent.progress import Progress
+from node_agent.rekeying import Rekeyer
 from node_agent.restoring import Restorer, RestoreRequest
 from node_agent.store import Store
+from node_agent.transfers import Transfers
 
 if TYPE_CHECKING:
     from node_agent.devices.monitor import DeviceMonitor
@@ -60,13 +63,14 @@ _timeout = operation_timeout
 class AgentServicer(pb_grpc.NodeAgentServicer):
     def __init__(
         self, checkpointer: Checkpointer, restorer: Restorer, store: Store, gc: Callable[..., Any],
-        devices: DeviceMonitor | None = None,
+        transfers: Transfers, rekeyer: Rekeyer, devices: DeviceMonitor | None = None,
     ) -> None:
-        self.settings = checkpointer.settings
         self.checkpointer = checkpointer
         self.restorer = restorer
+        self.rekeyer = rekeyer
         self.store = store
         self.gc = gc
+        self.transfers = transfers
         self.devices = devices
 
     async def _stream(
@@ -116,10 +120,12 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
                     await task
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CheckpointEvent]:
-        req = CheckpointRequest(pod=request.pod, containers=tuple(request.containers), options=dict(request.options))
         timeout = _timeout(context)
 
         async def run(progress: Callable[[Progress], None]) -> Any:
+            # Parsed here, once: a bad option is this call's answer.
+            req = CheckpointRequest(pod=request.pod, containers=tuple(request.containers),
+                                    options=parse_checkpoint_options(dict(request.options)))
             return await self.checkpointer.checkpoint(req, timeout=timeout, progress=progress)
 
         async for ev in self._stream(
@@ -130,13 +136,15 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             yield ev
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RestoreEvent]:
-        req = RestoreRequest(
-            checkpoint_id=request.checkpoint_id, namespace=request.namespace, name=request.name,
-            start=request.start, options=dict(request.options), runtime_handler=request.runtime_handler,
-        )
         timeout = _timeout(context)
 
         async def run(progress: Callable[[Progress], None]) -> Any:
+            # Parsed here, once: a bad option is this call's answer.
+            req = RestoreRequest(
+                checkpoint_id=request.checkpoint_id, namespace=request.namespace, name=request.name,
+                start=request.start, options=parse_restore_options(dict(request.options)),
+                runtime_handler=request.runtime_handler,
+            )
             return await self.restorer.restore(req, timeout=timeout, progress=progress)
 
         async for ev in self._stream(
@@ -185,7 +193,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
 
     async def RekeyCheckpoint(self, request: pb.RekeyCheckpointRequest, context: grpc.aio.ServicerContext) -> pb.RekeyCheckpointResponse:
         rec = await self._unary(context, lambda: self.store.get(request.checkpoint_id))
-        new, signed = await self._unary(context, lambda: self.checkpointer.rekey(rec))
+        new, signed = await self._unary(context, lambda: self.rekeyer.rekey(rec))
         if request.replace and new.id != rec.id:
             await self._unary(context, lambda: self.store.remove(rec.id))
         return pb.RekeyCheckpointResponse(checkpoint_id=new.id, key_id=new.key_id, previous_id=rec.id,
@@ -218,168 +226,76 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             if not request.pod_namespace or s.replica.namespace == request.pod_namespace])
 
     async def _transfer(
-        self, context: grpc.aio.ServicerContext, fn: Callable[[Callable[[Any], None]], Any], ref: str
+        self, context: grpc.aio.ServicerContext,
+        run: Callable[[Callable[[Progress], None]], Coroutine[Any, Any, transfers.TransferResult]],
     ) -> AsyncIterator[pb.TransferEvent]:
-        """Run a blocking push/pull in a thread, streaming its progress."""
-        loop = asyncio.get_running_loop()
-
-        async def run(progress: Callable[[Progress], None]) -> Any:
-            ended = threading.Event()
-
-            def relay(p: Any) -> None:
-                if ended.is_set():  # the call is over: the transfer stops at its next step
-                    raise errors.Cancelled(f"the transfer of {ref} was cancelled")
-                loop.call_soon_threadsafe(progress, Progress(
-                    p.phase, 0, 0, p.bytes_done, p.bytes_total,
-                    f"{p.blobs_done}/{p.blobs_total} blobs, {p.skipped} already there",
-                ))
-            try:
-                return await asyncio.to_thread(fn, relay)
-            finally:
-                ended.set()
-
+        """Stream a push or pull: its progress, then its result."""
         async for ev in self._stream(
             context, run,
             lambda p: pb.TransferEvent(progress=p),
-            lambda r: pb.TransferEvent(result=pb.TransferResult(
-                checkpoint_id=getattr(r, "digest", "") or getattr(r, "checkpoint_id", ""), reference=ref,
-                blobs_transferred=getattr(r, "blobs_uploaded", getattr(r, "blobs_downloaded", 0)),
-                blobs_skipped=r.blobs_skipped,
-                bytes_transferred=getattr(r, "bytes_uploaded", getattr(r, "bytes_downloaded", 0)),
-            )),
+            lambda r: pb.TransferEvent(result=convert.transfer_result(r)),
         ):
             yield ev
 
     async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        from node_agent import registry
-
-        creds = _creds(request.credentials)
-        store = self.store
-
-        def fn(progress: Callable[[Any], None]) -> Any:
-            rec = store.get(request.checkpoint_id)
-            return registry.push(store, rec.id, request.reference, creds, progress=progress,
-                                 settings=self.settings.registry)
-
-        async for ev in self._transfer(context, fn, request.reference):
+        req = transfers.PushRequest(checkpoint_id=request.checkpoint_id, reference=request.reference,
+                                    credentials=convert.registry_credentials(request.credentials))
+        async for ev in self._transfer(context, lambda progress: self.transfers.push(req, progress)):
             yield ev
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TransferEvent]:
-        from node_agent import registry
-
-        creds = _creds(request.credentials)
-        store = self.store
-        defer: Callable[[str, int], set[str]] | None = None
-        if request.lazy:
-            from node_agent.lazy.remote import memory_chunks
-
-            defer = functools.partial(memory_chunks, store)
-
-        from node_agent.registry.fetching import RemoteBlobs, repository_key
-
-        def fn(progress: Callable[[Any], None]) -> Any:
-            if defer is not None and isinstance(store.origins.fetcher, RemoteBlobs) and creds.password:
-                # The password stays in memory, for the chunks fetched later.
-                store.origins.fetcher.passwords[repository_key(request.reference)] = creds.password
-            return registry.pull(store, request.reference, creds, progress=progress, defer=defer,
-                                 settings=self.settings.registry, min_free_bytes=self.settings.min_free_bytes)
-
-        async for ev in self._transfer(context, fn, request.reference):
+        req = transfers.PullRequest(reference=request.reference, lazy=request.lazy,
+                                    credentials=convert.registry_credentials(request.credentials))
+        async for ev in self._transfer(context, lambda progress: self.transfers.pull(req, progress)):
             yield ev
 
     async def Export(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> pb.ExportResponse:
-        from node_agent import interop
-
-        if not os.path.isabs(request.output_path):
-            await abort_with(context, errors.InvalidArgument("the output path must be absolute"))
-        store = self.store
-
-        def fn() -> Any:
-            rec = store.get(request.checkpoint_id)
-            return interop.export_container(store, rec.id, request.container, request.output_path,
-                                            compression=request.compression or None, plaintext=request.plaintext)
-
-        report = await self._unary(context, fn)
-        return pb.ExportResponse(output_path=request.output_path, size=int(getattr(report, "size", 0)))
+        req = convert.export_request(request)
+        result = await self._unary(context, lambda: self.transfers.export_file(req))
+        return pb.ExportResponse(output_path=result.output_path, size=result.size)
 
     async def ExportArchive(self, request: pb.ExportRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ArchiveChunk]:
         """The archive, written into the agent's own scratch space, then streamed and removed."""
-        from node_agent import interop
-
         if request.output_path:
             await abort_with(context, errors.InvalidArgument("ExportArchive streams the archive: give no output path"))
-        store, s = self.store, self.settings
-        scratch = await asyncio.to_thread(_scratch, s.work_dir, "export")
-        try:
-            path = os.path.join(scratch, "archive")
-
-            def fn() -> Any:
-                rec = store.get(request.checkpoint_id)
-                return interop.export_container(store, rec.id, request.container, path,
-                                                compression=request.compression or "none",
-                                                plaintext=request.plaintext)
-
-            await self._unary(context, fn)
-            with open(path, "rb") as fh:
-                while True:
-                    data = await asyncio.to_thread(fh.read, ARCHIVE_CHUNK)
-                    if not data:
-                        break
-                    yield pb.ArchiveChunk(data=data)
-        finally:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, scratch, True))
+        req = convert.export_request(request)
+        async with self.transfers.scratch("export") as scratch:
+            path = await self._unary(context, lambda: self.transfers.export_archive(req, scratch))
+            async for data in transfers.read_archive(path):
+                yield pb.ArchiveChunk(data=data)
 
     async def ImportArchive(self, request_iterator: AsyncIterator[pb.ImportChunk], context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
         """An archive streamed by the caller: kept in the agent's scratch space, within the free space, then imported."""
-        s = self.settings
         header: pb.ImportRequest | None = None
-        scratch = await asyncio.to_thread(_scratch, s.work_dir, "import")
-        try:
-            path = os.path.join(scratch, "archive")
-            with open(path, "wb") as fh:
-                written = 0
-                async for chunk in request_iterator:
-                    if header is None:
-                        if chunk.WhichOneof("part") != "header" or chunk.header.input_path:
-                            await abort_with(context, errors.InvalidArgument(
-                                "ImportArchive: the first message is the header, without an input path"))
-                        header = chunk.header
-                        continue
-                    if chunk.WhichOneof("part") != "data":
-                        await abort_with(context, errors.InvalidArgument("ImportArchive: one header, then data"))
-                    written += len(chunk.data)
-                    if written % (64 << 20) < len(chunk.data):
-                        await asyncio.to_thread(_keep_free, scratch, s.min_free_bytes, written)
-                    await asyncio.to_thread(fh.write, chunk.data)
-            if header is None:
-                await abort_with(context, errors.InvalidArgument("ImportArchive: no header came"))
-                raise AssertionError("unreachable")
-            return await self._import(context, path, header)
-        except OSError as exc:
-            await abort_with(context, errors.ResourceExhausted(f"cannot keep the streamed archive: {exc.strerror}"))
-            raise
-        except errors.AgentError as exc:
-            await abort_with(context, exc)
-            raise
-        finally:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, scratch, True))
+        async with self.transfers.scratch("import") as scratch:
+            try:
+                with self.transfers.archive_sink(scratch) as sink:
+                    async for chunk in request_iterator:
+                        if header is None:
+                            if chunk.WhichOneof("part") != "header" or chunk.header.input_path:
+                                await abort_with(context, errors.InvalidArgument(
+                                    "ImportArchive: the first message is the header, without an input path"))
+                            header = chunk.header
+                            continue
+                        if chunk.WhichOneof("part") != "data":
+                            await abort_with(context, errors.InvalidArgument("ImportArchive: one header, then data"))
+                        await sink.write(chunk.data)
+                if header is None:
+                    await abort_with(context, errors.InvalidArgument("ImportArchive: no header came"))
+                    raise AssertionError("unreachable")
+                req = convert.import_request(header)
+                rec = await self._unary(context, lambda: self.transfers.import_archive(sink.path, req))
+                return convert.checkpoint_info(rec)
+            except OSError as exc:
+                await abort_with(context, errors.ResourceExhausted(f"cannot keep the streamed archive: {exc.strerror}"))
+                raise
+            except errors.AgentError as exc:
+                await abort_with(context, exc)
+                raise
 
     async def Import(self, request: pb.ImportRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointInfo:
-        if not os.path.isabs(request.input_path):
-            await abort_with(context, errors.InvalidArgument("the input path must be absolute"))
-        return await self._import(context, request.input_path, request)
-
-    async def _import(self, context: grpc.aio.ServicerContext, path: str, request: pb.ImportRequest) -> pb.CheckpointInfo:
-        from node_agent import interop
-
-        store = self.store
-        s = self.settings
-        rec = await self._unary(context, lambda: interop.import_archive(
-            store, path, namespace=request.namespace or None, name=request.name or None,
-            log_root=s.pod_log_root, cgroup_parent=s.cgroup_parent or None, runtime_handler=s.runtime_handler,
-            kubelet_root=s.kubelet_root, criu=s.criu, work_dir=s.work_dir, seal_for=self.checkpointer.seal_key,
-            limits=interop.ImportLimits(min_free_bytes=s.min_free_bytes),
-        ))
+        req = convert.import_request(request)
+        rec = await self._unary(context, lambda: self.transfers.import_file(req))
         return convert.checkpoint_info(rec)
 
     async def _device_monitor(self, context: grpc.aio.ServicerContext) -> DeviceMonitor:
@@ -401,30 +317,3 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
         async for snap in monitor.watch():
             yield convert_devices.snapshot(snap)
 
-
-ARCHIVE_CHUNK = 1 << 20  # bytes per streamed archive message
-
-
-def _scratch(work_dir: str, kind: str) -> str:
-    """A private directory of the agent's scratch space (the caller names no path)."""
-    os.makedirs(work_dir, mode=0o700, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{kind}-", dir=work_dir)
-
-
-def _keep_free(directory: str, min_free: int, written: int) -> None:
-    """RESOURCE_EXHAUSTED when what a caller streams would leave less than `min_free` bytes free."""
-    st = os.statvfs(directory)
-    if st.f_bavail * st.f_frsize < min_free:
-        raise errors.ResourceExhausted(
-            f"the streamed archive ({written >> 20} MiB so far) would leave less than min-free-bytes "
-            f"({min_free >> 20} MiB) free under {directory}"
-        )
-
-
-def _creds(c: pb.RegistryCredentials) -> Any:
-    from node_agent.registry import Credentials
-
-    return Credentials(
-        username=c.username, password=c.password, ca_file=c.ca_file, ca_pem=c.ca_pem,
-        plain_http=c.plain_http, insecure_skip_verify=c.insecure_skip_verify,
-    )

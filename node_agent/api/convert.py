@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from node_agent import podformat
+from node_agent import podformat, registry, transfers
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent.progress import Progress
 from node_agent.replicas import ReplicaState
@@ -85,3 +85,28 @@ def restored_replica(s: ReplicaState) -> pb.RestoredReplica:
         container_id=r.container_id, checkpoint_id=r.checkpoint, lazy=r.lazy, state=s.state, reason=s.reason,
         pages_in=s.pages, pages_total=s.total, restored=r.restored, container_state=s.runtime,
     )
+
+
+def registry_credentials(c: pb.RegistryCredentials) -> registry.Credentials:
+    return registry.Credentials(
+        username=c.username, password=c.password, ca_file=c.ca_file, ca_pem=c.ca_pem,
+        plain_http=c.plain_http, insecure_skip_verify=c.insecure_skip_verify,
+    )
+
+
+def transfer_result(r: transfers.TransferResult) -> pb.TransferResult:
+    return pb.TransferResult(
+        checkpoint_id=r.checkpoint_id, reference=r.reference, blobs_transferred=r.blobs_transferred,
+        blobs_skipped=r.blobs_skipped, bytes_transferred=r.bytes_transferred,
+    )
+
+
+def export_request(r: pb.ExportRequest) -> transfers.ExportRequest:
+    return transfers.ExportRequest(
+        checkpoint_id=r.checkpoint_id, container=r.container, output_path=r.output_path,
+        compression=r.compression, plaintext=r.plaintext,
+    )
+
+
+def import_request(r: pb.ImportRequest) -> transfers.ImportRequest:
+    return transfers.ImportRequest(input_path=r.input_path, namespace=r.namespace, name=r.name)

@@ -37,19 +37,20 @@ from typing import Any
 
 import grpc
 
-from node_agent import errors, policy, runtime_handler
+from node_agent import errors, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
+from node_agent.admission import parse_checkpoint_options, parse_restore_options, require_checkpoint
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
 from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, RT, PodRestores
-from node_agent.api.security import claim_socket
+from node_agent.api.unix_sockets import claim_socket
 from node_agent.checkpointing import CheckpointRequest, Checkpointer
 from node_agent.cri.client import to_json
 from node_agent.lazy.kill import stop_pod
-from node_agent.podformat import load_saved, parse_all_options
+from node_agent.podformat import load_saved
 from node_agent.replicas import Replica, valid_id
-from node_agent.restoring import RestoreRequest, Restorer, parse_restore_options
+from node_agent.restoring import RestoreRequest, Restorer
 from node_agent.store import Store, WriterHooks
 from node_agent.store.sealing import Keyring
 
@@ -192,7 +193,7 @@ class CriEndpoint:
 
     async def _checkpoint_pod(self, req: Any, timeout: float | None) -> None:
         # Everything is checked before the first byte is written.
-        parse_all_options(dict(req.options))
+        options = parse_checkpoint_options(dict(req.options))
         if not req.pod_sandbox_id:
             raise errors.InvalidArgument("CheckpointPod: pod_sandbox_id is empty")
         out = _caller_dir("output_path", req.output_path, self.settings.store)
@@ -207,8 +208,8 @@ class CriEndpoint:
         pods = [p for p in await cri_client.list_pods() if p.id == req.pod_sandbox_id]
         if not pods:
             raise errors.NotFound(f"pod sandbox {req.pod_sandbox_id} not found")
-        # Refused before output_path is touched (the checkpointer asks again).
-        policy.require(self.settings, "checkpoint", pods[0].namespace, pods[0].ref)
+        # Refused before output_path is touched (the checkpointer takes the pod as admitted).
+        require_checkpoint(self.settings, pods[0])
         containers = {c.id: c for c in await cri_client.list_containers(req.pod_sandbox_id)}
         for cid in ids:
             c = containers.get(cid)
@@ -221,7 +222,8 @@ class CriEndpoint:
         try:
             target = await asyncio.to_thread(_open_store, out, self.store.keys, writers)
             record = await self.checkpointer.checkpoint(
-                CheckpointRequest(pod=req.pod_sandbox_id, containers=ids, options=dict(req.options), store=target),
+                CheckpointRequest(pod=req.pod_sandbox_id, containers=ids, options=options, store=target,
+                                  resolved=pods[0]),
                 timeout=timeout,
             )
         except BaseException:
@@ -249,7 +251,7 @@ class CriEndpoint:
         return bytes(resp.SerializeToString())
 
     async def _restore_pod(self, req: Any, timeout: float | None) -> Any:
-        parse_restore_options(dict(req.options))
+        options = parse_restore_options(dict(req.options))
         if not req.HasField("config"):
             raise errors.InvalidArgument("RestorePod: config (the new PodSandboxConfig) is missing")
         handler = req.runtime_handler or self.settings.runtime_handler
@@ -288,7 +290,7 @@ class CriEndpoint:
                                    str((configs[cname].get("image") or {}).get("image") or ""))
         restored = await self.restorer.restore(
             RestoreRequest(
-                checkpoint_id=record.id, options=dict(req.options), runtime_handler=handler, source=source,
+                checkpoint_id=record.id, options=options, runtime_handler=handler, source=source,
                 pod_config=to_json(req.config), container_configs=configs,
             ),
             timeout=timeout,

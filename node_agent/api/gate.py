@@ -31,8 +31,8 @@ import grpc
 
 from node_agent import authz
 from node_agent.api.agent import abort_with
-from node_agent.checkpointing import resolve_pod
 from node_agent.cri import CriClient
+from node_agent.cri.pods import resolve_pod
 from node_agent.podformat import namespace_of
 from node_agent.store import Store
 

@@ -21,8 +21,11 @@ from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.gate import Caller, MethodGate
 from node_agent.api.grpc_health import add_operability, serve_health, set_not_serving
-from node_agent.api.security import CertificateFiles, LocalSocketGate, claim_socket, group_id, private_dir, tls_port
-from node_agent.config import Settings, host_port
+from node_agent.api.local_socket import LocalSocketGate
+from node_agent.api.tls_files import CertificateFiles, tls_port
+from node_agent.api.unix_sockets import claim_socket, group_id, private_dir
+from node_agent.config.schema import Settings
+from node_agent.config.validation import host_port
 from node_agent.metrics import Metrics, serve_metrics
 
 log = logging.getLogger(__name__)

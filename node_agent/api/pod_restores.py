@@ -37,14 +37,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, policy, restoring, runtime_handler
+from node_agent import devshm, errors, policy, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
+from node_agent.admission import RestoreAdmission, RestoreOptions
 from node_agent.api.agent import abort_with
 from node_agent.api.cri_proxy import CriProxy
 from node_agent.checkpointing import Checkpointer
 from node_agent.cri.client import to_json
 from node_agent.options import boolean
-from node_agent.podformat import SavedPod, check_host_access, load_saved, namespace_of
+from node_agent.podformat import SavedPod, load_saved, namespace_of
 from node_agent.replicas import valid_id
 from node_agent.restoring import Restorer
 from node_agent.store import CheckpointRecord, Store
@@ -171,13 +172,14 @@ class PodRestores:
         try:
             # The annotations are whoever may create Pods': held to the node's rules for them.
             allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
-            if allow:
-                policy.require_pod_host_access(self.settings, meta.namespace, where)
-            # A namespace the policy refuses pulls nothing (the admission below asks again).
-            policy.require(self.settings, "restore", meta.namespace, where)
-            record, saved = await self._resolve_checkpoint(ref.strip(), meta.namespace, where, allow)
-            await self.restorer.admit(record, saved, meta.namespace, where)
-            check_host_access(record.id, saved, self.settings, allowed=allow)
+            admission = RestoreAdmission(self.settings, meta.namespace, where, RestoreOptions(allow_host_access=allow))
+            admission.require_pod_host_access()
+            # A namespace the policy refuses pulls nothing.
+            admission.require_policy()
+            record, saved = await self._resolve_checkpoint(ref.strip(), meta.namespace, where, admission)
+            # The rules a pull has not already applied to this checkpoint.
+            await asyncio.to_thread(admission.admit, self.restorer.store, record, saved)
+            admission.check_host_access(record, saved)
             await self.restorer.preflight(record, saved)
             await runtime_handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
@@ -212,14 +214,14 @@ class PodRestores:
         return resp_raw
 
     async def _resolve_checkpoint(self, ref: str, namespace: str, where: str,
-                                  allow: bool) -> tuple[CheckpointRecord, SavedPod]:
+                                  admission: RestoreAdmission) -> tuple[CheckpointRecord, SavedPod]:
         """The checkpoint a Pod in `namespace` names: one of its own namespace, or one `restore.pod-sources` lets in.
 
         A store ID of any other checkpoint gets the answer of one that does
         not exist. A registry reference must lie in `restore.pod-registries`;
         what it pulls is admitted before it is published (the namespace
-        rule, the restore policy, signatures, host access), so a refused
-        pull leaves nothing in the store.
+        rule, then `admission`'s: the restore policy, signatures, host
+        access), so a refused pull leaves nothing in the store.
         """
         if _DIGEST_RE.match(ref):
             missing = errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store")
@@ -249,8 +251,8 @@ class PodRestores:
                 raise errors.PermissionDenied(
                     f"restore as pod {where}: checkpoint {pulled.record.id} from {ref} {outside}; a Pod restores "
                     "only checkpoints of its own namespace, or of those restore.pod-sources lets in")
-            restoring.admit(self.settings, pulled, pulled.record, got, namespace, where)
-            check_host_access(pulled.record.id, got, self.settings, allowed=allow)
+            admission.admit(pulled, pulled.record, got)
+            admission.check_host_access(pulled.record, got)
 
         report = await asyncio.to_thread(lambda: pull(
             self.store, ref, Credentials(), settings=self.settings.registry,

@@ -10,7 +10,7 @@ import grpc
 
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 
 ENV_SOCKET = "NODE_AGENT_SOCKET"
 

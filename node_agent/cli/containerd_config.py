@@ -18,7 +18,8 @@ from typing import Any, Callable
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 
 from node_agent import containerd
-from node_agent.config import Settings
+from node_agent.cli.configflags import HANDLER, add_flags
+from node_agent.config.schema import Settings
 from node_agent.errors import InvalidArgument
 
 
@@ -48,10 +49,7 @@ def add_parser(sub: Any, settings_parent: argparse.ArgumentParser | None = None,
     p.add_argument("--config", metavar="FILE",
                    help="the agent's YAML config: the same file `serve` reads (store, runc-root and "
                         "runtime-handler must match the daemon's, or restores are refused)")
-    p.add_argument("--runtime-handler", metavar="NAME")
-    p.add_argument("--store", metavar="DIR")
-    p.add_argument("--runc-root", metavar="DIR")
-    p.add_argument("--runc", metavar="PATH")
+    add_flags(p, HANDLER, described=False)
     p.add_argument("--containerd-config", metavar="FILE", default=CONTAINERD_CONFIG,
                    help=f"containerd's config, whose version (2 or 3) the tables are for (default {CONTAINERD_CONFIG}); "
                         "its runc handler's SystemdCgroup is followed too")

@@ -30,7 +30,7 @@ from node_agent import policy
 from node_agent.cli.checks import (CAP_CHECKPOINT_RESTORE, CAP_DAC_OVERRIDE, CAP_NET_ADMIN, CAP_SYS_ADMIN,
                                    CAP_SYS_PTRACE, MIN_CRIU, Check, criu_cache_check, effective_caps, in_container,
                                    mount_of, mounts, pids_of, status_field, version_line)
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 
 
 async def _criu_checks(s: Settings) -> tuple[list[Check], dict[str, bool] | None]:

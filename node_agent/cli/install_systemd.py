@@ -37,7 +37,7 @@ from typing import Any, Callable
 import msgspec
 
 from node_agent import containerd
-from node_agent.config import DEFAULT_CONFIG_PATH, Settings
+from node_agent.config.schema import DEFAULT_CONFIG_PATH, Settings
 from node_agent.errors import FailedPrecondition, InvalidArgument
 
 UNIT_NAME = "node-agent.service"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from node_agent.config import Devices
+from node_agent.config.schema import Devices
 from node_agent.devices.types import (
     DEGRADED,
     HEALTHY,

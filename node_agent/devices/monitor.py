@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 from node_agent import errors
-from node_agent.config import Settings
+from node_agent.cancelling import cancel_and_wait
+from node_agent.config.schema import Settings
 from node_agent.devices import dra, sysfs
 from node_agent.devices.health import HealthModel
 from node_agent.devices.kube import KubeClient, from_kubeconfig, in_cluster
@@ -233,13 +234,7 @@ class DeviceMonitor:
     async def stop(self) -> None:
         self._stopping.set()
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if me is not None and me.cancelling():
-                    raise  # stop itself is being cancelled, not just the task it ended
+            await cancel_and_wait(self._task)
             self._task = None
         if self._nvml_scan is None or self._nvml_scan.done():
             await asyncio.to_thread(self.nvml.close)

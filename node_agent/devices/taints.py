@@ -18,7 +18,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 from node_agent import errors
-from node_agent.config import Devices
+from node_agent.config.schema import Devices
 from node_agent.devices.kube import KubeClient
 from node_agent.devices.ratelimit import TokenBucket
 from node_agent.devices.types import UNHEALTHY, DeviceReport, DraDevice, Reason, TaintRule

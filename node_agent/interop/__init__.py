@@ -9,6 +9,6 @@ the layout and the rules.
 
 from node_agent.interop.common import ImportLimits
 from node_agent.interop.exporting import ExportReport, compression_for, export_container
-from node_agent.interop.importing import import_archive
+from node_agent.interop.archive_import import import_archive
 
 __all__ = ["ExportReport", "ImportLimits", "compression_for", "export_container", "import_archive"]

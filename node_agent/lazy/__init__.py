@@ -6,7 +6,7 @@ and the module that does each:
 1. Pull lazily (optional, across nodes): `remote` picks the chunks only the
    memory images use; the registry pull (`registry.pulling`) leaves those in
    the registry and the store records where they still live (the
-   checkpoint's origin). `api.agent` keeps the password for that registry
+   checkpoint's origin). `transfers` keeps the password for that registry
    in memory, for the chunks fetched later.
 2. Decide: `support` says whether CRIU and the kernel can restore lazily
    (`node-agent doctor` prints the same verdict); `restores.LazyRestores`

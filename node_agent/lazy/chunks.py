@@ -18,8 +18,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Final
 
 from node_agent.errors import AgentError
-from node_agent.store.blobs import BlobStore
-from node_agent.store.manifest import Chunk, FileEntry
+from node_agent.store.chunk_reader import ChunkReader
+from node_agent.store.documents import Chunk, FileEntry
 from node_agent.store.reading import read_or_fetch
 
 PAGE_SIZE: Final = 4096
@@ -35,10 +35,10 @@ class ChunkCache:
     """Verified, decoded chunks of one file: a small LRU plus read-ahead in threads."""
 
     def __init__(
-        self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
+        self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
         fetch: Callable[[Chunk], None] | None = None,
     ) -> None:
-        self.blobs = blobs
+        self.chunks = chunks
         self.fetch = fetch
         self.checkpoint_id = checkpoint_id
         self.entry = entry
@@ -50,7 +50,7 @@ class ChunkCache:
     def _load(self, index: int) -> bytes:
         chunk = self.entry.chunks[index]
         try:
-            data = read_or_fetch(self.blobs, chunk, self.fetch)
+            data = read_or_fetch(self.chunks, chunk, self.fetch)
         except AgentError as exc:
             raise SourceError(
                 f"checkpoint {self.checkpoint_id}: {self.entry.path} at offset {chunk.offset}: {exc}"

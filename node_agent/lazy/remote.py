@@ -12,7 +12,7 @@ from node_agent.errors import DataLoss
 from node_agent.podformat import PAGES_PATH
 from node_agent.store import Store
 from node_agent.store import sealing
-from node_agent.store.manifest import decode_config
+from node_agent.store.documents import decode_config
 
 
 def memory_chunks(store: Store, config_digest: str, config_size: int) -> set[str]:
@@ -24,7 +24,7 @@ def memory_chunks(store: Store, config_digest: str, config_size: int) -> set[str
     data = store.blobs.read(config_digest, config_size)
     if sealing.is_sealed(data):
         try:
-            opened = store.blobs.open_config(data)
+            opened = store.chunks.open_config(data)
         except sealing.SealError as exc:
             raise DataLoss(f"config {config_digest}: {exc}") from None
         if opened is None:

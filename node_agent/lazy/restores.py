@@ -36,7 +36,7 @@ from typing import Any
 
 from criu_bridge.wrapper import FAILED, RESTORED
 from node_agent import errors
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE

@@ -43,11 +43,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_agent.config import Settings
+from node_agent.cancelling import cancel_and_wait
+from node_agent.config.schema import Settings
 from node_agent.lazy.fault_handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE
-from node_agent.store.blobs import Ingest
+from node_agent.store.ingest import Ingest
 from node_agent.store.sealing import SealKey
 
 log = logging.getLogger(__name__)
@@ -386,13 +387,8 @@ class LazySession:
     async def detach(self) -> None:
         """Let go of a connected transfer (the agent stops): the page source goes on alone."""
         if self._task is not None and not self._task.done():
-            self._task.cancel()
             try:
-                await self._task
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if me is not None and me.cancelling():
-                    raise
+                await cancel_and_wait(self._task)
             finally:
                 # The source learns that the agent is gone (also when the guard never got to run).
                 self._close_conn()

@@ -54,7 +54,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from node_agent import podformat
-from node_agent.config import parse_registry
+from node_agent.config.loading import parse_registry
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import PAGE_SIZE, ChunkCache, SourceError
@@ -92,7 +92,7 @@ class Source:
             entry = record.entry(path)
             if entry.size != pm.pages_size:
                 raise SourceError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-            self.files[task] = ChunkCache(store.blobs, record.id, entry, self.pool, store.origins.fetch_for(record.id, origin))
+            self.files[task] = ChunkCache(store.chunks, record.id, entry, self.pool, store.origins.fetch_for(record.id, origin))
             self.total += pm.lazy_pages
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final, Protocol
 
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from node_agent.registry.auth import Credentials
 from node_agent.registry.failures import log_failure
@@ -95,6 +95,10 @@ class RemoteBlobs:
         self._sessions: dict[str, tuple[Session, threading.Lock]] = {}
         self._lock = threading.Lock()
         self.fetched = 0
+
+    def remember_password(self, reference: str, password: str) -> None:
+        """Keep ``password`` in memory for the chunks later fetched from ``reference``'s repository."""
+        self.passwords[repository_key(reference)] = password
 
     def _session(self, origin: Mapping[str, Any]) -> tuple[Session, threading.Lock]:
         reference = str(origin["reference"])

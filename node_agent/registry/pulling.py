@@ -26,21 +26,89 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Generator
+from typing import Final, TypeGuard
 
-from node_agent.config import DEFAULT_MIN_FREE_BYTES, RegistrySettings
+from node_agent.config.schema import DEFAULT_MIN_FREE_BYTES, RegistrySettings
+from node_agent import strictjson
 from node_agent.errors import DataLoss, Internal, InvalidArgument, NotFound
-from node_agent.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
+from node_agent.oci import (
+    ARTIFACT_TYPE,
+    MAX_MANIFEST_BYTES,
+    OCI_MANIFEST_MEDIA_TYPE,
+    Descriptor,
+    DocumentError,
+    read_manifest,
+    sha256_digest,
+)
 from node_agent.registry import referrers_api
 from node_agent.registry.auth import Credentials
 from node_agent.registry.budget import PullBudget
 from node_agent.registry.failures import log_failure
-from node_agent.registry.manifest import parse_manifest
 from node_agent.registry.ports import R, Admission, BlobImporter, BlobSink, ProgressCallback, PullReport
-from node_agent.registry.reference import Reference, parse_reference
+from node_agent.registry.reference import Reference, check_digest, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
 from node_agent.registry.transport import Session
 
 log = logging.getLogger(__name__)
+
+MAX_DESCRIPTORS: Final = 1_000_000
+"""Most config + layer descriptors in one manifest."""
+MAX_BLOB_SIZE: Final = 1 << 50
+"""Largest blob size believed (1 PiB)."""
+MAX_MEDIA_TYPE_LENGTH: Final = 255
+_FAULTS: Final = {
+    "object": "a descriptor must be a JSON object",
+    "mediaType": "bad mediaType",
+    "digest": "digest must be a string",
+    "size": f"size must be an integer from 0 to {MAX_BLOB_SIZE}",
+}
+
+
+def _believable_media_type(value: object) -> TypeGuard[str]:
+    """Any short, printable name: the store checks media types in full when it commits."""
+    return isinstance(value, str) and bool(value) and len(value) <= MAX_MEDIA_TYPE_LENGTH and value.isprintable()
+
+
+def parse_manifest(data: bytes) -> list[Descriptor]:
+    """The config and layer descriptors of a checkpoint manifest as a registry sends it, config first.
+
+    Only what pulling needs is checked (``oci.read_manifest``: the media
+    types, the descriptors to fetch); the store validates the manifest in
+    full when it is committed. InvalidArgument if ``data`` is not an OCI
+    image manifest of a checkpoint.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidArgument(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise InvalidArgument(f"manifest {exc}") from None
+    try:
+        read = read_manifest(doc, artifact_type=lambda kind: kind == ARTIFACT_TYPE, max_layers=MAX_DESCRIPTORS - 1,
+                             keys=None, media_type=_believable_media_type, max_size=MAX_BLOB_SIZE)
+    except DocumentError as exc:
+        raise InvalidArgument(_manifest_fault(exc)) from None
+    return [read.config, *read.layers]
+
+
+def _manifest_fault(exc: DocumentError) -> str:
+    """What ``read_manifest`` found wrong, in the pull's words (a digest in the reference grammar's)."""
+    wrong = exc.descriptor
+    if wrong is not None:
+        if wrong.field == "digest" and isinstance(wrong.value, str):
+            check_digest(wrong.value, f"manifest {exc.where}: digest")  # raises
+        return f"manifest {exc.where}: {_FAULTS.get(wrong.field, wrong.detail)}"
+    if exc.field == "object":
+        return "manifest is not a JSON object"
+    if exc.field == "schemaVersion":
+        return "manifest schemaVersion is not 2"
+    if exc.field == "mediaType":
+        return f"manifest mediaType is {str(exc.value)[:100]!r}, not {OCI_MANIFEST_MEDIA_TYPE}"
+    if exc.field == "artifactType":
+        return f"not a node-agent checkpoint: artifactType is {str(exc.value)[:100]!r}, not {ARTIFACT_TYPE}"
+    if exc.field == "layers" and exc.value is None:
+        return "manifest layers must be a list"
+    return f"manifest has more than {MAX_DESCRIPTORS} descriptors"
 
 
 def recorded_origin(reference: str, creds: Credentials) -> dict[str, object]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
 from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry import referrers_api

@@ -27,10 +27,11 @@ from node_agent.oci import (
     OCI_INDEX_MEDIA_TYPE,
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
-    DescriptorError,
+    DocumentError,
     canonical_json,
     digest_hex,
     read_descriptor,
+    read_index,
     sha256_digest,
 )
 from node_agent.registry.transport import Session
@@ -51,13 +52,6 @@ def fallback_tag(subject: str) -> str:
     return "sha256-" + digest_hex(subject)
 
 
-def _read_descriptor(raw: object, where: str) -> Descriptor:
-    try:
-        return read_descriptor(raw, keys="required")
-    except DescriptorError as exc:
-        raise InvalidArgument(f"{where}: {exc.detail}") from None
-
-
 def describe(manifest: bytes) -> tuple[dict[str, Any], list[Descriptor]]:
     """A referrer manifest's descriptor for an index (with its artifactType and annotations) and its blobs.
 
@@ -73,22 +67,22 @@ def describe(manifest: bytes) -> tuple[dict[str, Any], list[Descriptor]]:
     return entry, list(ref.blobs)
 
 
-def decode_index(data: bytes, what: str) -> list[dict[str, Any]]:
-    """The ``manifests`` of an OCI image index from a registry; InvalidArgument if it is not one."""
+def _index_entries(data: bytes, what: str) -> list[dict[str, Any]]:
+    """The ``manifests`` of an OCI image index from a registry (``oci.read_index``); InvalidArgument if it is not one."""
     try:
         doc = strictjson.loads(data)
     except strictjson.StrictJsonError as exc:
         raise InvalidArgument(f"{what} {exc}") from None
-    if not isinstance(doc, dict) or doc.get("schemaVersion") != 2 or isinstance(doc.get("schemaVersion"), bool):
-        raise InvalidArgument(f"{what} is not an OCI image index (schemaVersion 2)")
-    if doc.get("mediaType", OCI_INDEX_MEDIA_TYPE) != OCI_INDEX_MEDIA_TYPE:
-        raise InvalidArgument(f"{what} is {str(doc.get('mediaType'))[:100]!r}, not an OCI image index")
-    manifests = doc.get("manifests")
-    if not isinstance(manifests, list) or len(manifests) > MAX_INDEX_ENTRIES:
-        raise InvalidArgument(f"{what}: manifests is not a list of at most {MAX_INDEX_ENTRIES} descriptors")
-    for i, raw in enumerate(manifests):
-        _read_descriptor(raw, f"{what}: manifests[{i}]")
-    return manifests
+    try:
+        return read_index(doc, max_entries=MAX_INDEX_ENTRIES)
+    except DocumentError as exc:
+        if exc.field in ("object", "schemaVersion"):
+            raise InvalidArgument(f"{what} is not an OCI image index (schemaVersion 2)") from None
+        if exc.field == "mediaType":
+            raise InvalidArgument(f"{what} is {str(exc.value)[:100]!r}, not an OCI image index") from None
+        if exc.field == "manifests":
+            raise InvalidArgument(f"{what}: manifests is not a list of at most {MAX_INDEX_ENTRIES} descriptors") from None
+        raise InvalidArgument(f"{what}: {exc.where}: {exc.detail}") from None
 
 
 def _get_index(session: Session, url: str, what: str) -> list[dict[str, Any]] | None:
@@ -102,7 +96,7 @@ def _get_index(session: Session, url: str, what: str) -> list[dict[str, Any]] | 
         data = resp.read(MAX_INDEX_BYTES, what)
     if content_type and content_type != OCI_INDEX_MEDIA_TYPE:
         raise InvalidArgument(f"{session.where}: {what}: the registry sent {content_type[:100]!r}, not an OCI image index")
-    return decode_index(data, f"{session.where}: {what}")
+    return _index_entries(data, f"{session.where}: {what}")
 
 
 # -- push ---------------------------------------------------------------------------------
@@ -174,7 +168,7 @@ def listed_signatures(session: Session, subject: str) -> list[Descriptor]:
     for raw in entries or []:
         if raw.get("artifactType") != kind or raw.get("mediaType") != OCI_MANIFEST_MEDIA_TYPE:
             continue  # another kind of referrer (the API's filter is only a hint)
-        desc = _read_descriptor(raw, "referrer")
+        desc = read_descriptor(raw, keys="required")  # read_index has checked it
         out.setdefault(desc.digest, desc)
     found = list(out.values())
     if len(found) > MAX_SIGNATURES:

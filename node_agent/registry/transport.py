@@ -25,7 +25,8 @@ from types import TracebackType
 from urllib.parse import urlencode, urljoin, urlsplit
 
 from node_agent import tls
-from node_agent.config import RegistrySettings, token_realm_host
+from node_agent.config.schema import RegistrySettings
+from node_agent.config.validation import token_realm_host
 from node_agent.errors import (
     AgentError,
     DataLoss,

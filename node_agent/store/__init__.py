@@ -10,13 +10,11 @@ own thread pools. See docs/store.md.
 
 from node_agent.store.checkpoints import DEFAULT_CHUNK_SIZE, Store
 from node_agent.store.gc import GcReport, RetentionPolicy
-from node_agent.store.importing import BlobImporter
-from node_agent.store.manifest import (
+from node_agent.store.blob_import import BlobImporter
+from node_agent.store.documents import (
     CHUNK_MEDIA_TYPE,
     CHUNK_ZSTD_MEDIA_TYPE,
     CONFIG_MEDIA_TYPE,
-    MEDIA_TYPE,
-    SCHEMA_VERSION,
     Chunk,
     FileEntry,
 )
@@ -29,8 +27,6 @@ __all__ = [
     "CHUNK_ZSTD_MEDIA_TYPE",
     "CONFIG_MEDIA_TYPE",
     "DEFAULT_CHUNK_SIZE",
-    "MEDIA_TYPE",
-    "SCHEMA_VERSION",
     "BadBlob",
     "BlobImporter",
     "CheckpointRecord",

@@ -2,7 +2,8 @@
 
 Rule: ``Store`` owns no rule of its own; it wires the parts and delegates.
 The index (``index``) decides what is published, the blob store
-(``blobs``) holds verified bytes, writers and importers publish through
+(``blobs``) holds verified bytes, the chunk reader (``chunk_reader``)
+decodes and opens them, writers and importers publish through
 the index, ``origins`` say where a lazily pulled checkpoint's blobs still
 are, ``gc`` collects and ``repair`` recovers. What is here is reading:
 records, holds, random access and materializing, all of which verify what
@@ -26,21 +27,15 @@ from typing import TYPE_CHECKING, BinaryIO, Final
 from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
 from node_agent.oci import Descriptor, digest_hex
 from node_agent.store import repair
-from node_agent.store.blobs import (
-    FILE_MODE,
-    O_CLOEXEC,
-    O_DIRECTORY,
-    O_NOFOLLOW,
-    BlobStore,
-    Ingest,
-    ensure_dir,
-    os_error,
-)
+from node_agent.store.blobs import BlobStore
+from node_agent.store.chunk_reader import ChunkReader
+from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, ensure_dir, os_error
+from node_agent.store.ingest import Ingest
 from node_agent.store.chunking import Chunker
 from node_agent.store.gc import Collector, GcReport, RetentionPolicy, entry_refs
-from node_agent.store.importing import BlobImporter
+from node_agent.store.blob_import import BlobImporter
 from node_agent.store.index import Index
-from node_agent.store.manifest import FileEntry, is_checkpoint_entry, normalize_path
+from node_agent.store.documents import FileEntry, is_checkpoint_entry, normalize_path
 from node_agent.store.origins import Origins
 from node_agent.store.reading import (
     DestTree,
@@ -143,11 +138,12 @@ class Store:
         self.root = os.path.abspath(os.fspath(root))
         # Sealed checkpoints open with keys from here (store/sealing.py).
         self.keys = keys
-        self.blobs = BlobStore(self.root, keys)
+        self.blobs = BlobStore(self.root)
+        self.chunks = ChunkReader(self.blobs, keys)
         self.ingest_dir = os.path.join(self.root, "ingest")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         self.lock_path = os.path.join(self.root, ".lock")
-        self.index = Index(self.root, self.blobs, scratch_dir=self.ingest_dir, lock_path=self.lock_path,
+        self.index = Index(self.root, self.chunks, scratch_dir=self.ingest_dir, lock_path=self.lock_path,
                            quarantine_dir=self.quarantine_dir,
                            lazily_pulled=lambda cid: self.origins.get(cid) is not None)
         self.index_path = self.index.path
@@ -203,7 +199,7 @@ class Store:
         running it again resumes (``store/kept.py``).
         """
         try:
-            return BlobImporter(self.blobs, self.index, self.origins, self.collector, ingest_dir=self.ingest_dir,
+            return BlobImporter(self.chunks, self.index, self.origins, self.collector, ingest_dir=self.ingest_dir,
                                 keep_for=keep_for, manifest=manifest, reference=reference)
         except OSError as exc:
             raise os_error(exc, f"creating an importer in {self.ingest_dir}") from exc
@@ -308,7 +304,7 @@ class Store:
         entry = record.entry(path)
         if entry.is_dir:
             raise InvalidArgument(f"checkpoint {record.id}: {path!r} is a directory")
-        return FileReader(self.blobs, record.id, entry, fetch=self.origins.fetch_for(record.id))
+        return FileReader(self.chunks, record.id, entry, fetch=self.origins.fetch_for(record.id))
 
     def verify(self, checkpoint_id: str) -> builtins.list[BadBlob]:
         """Check every chunk blob (present, size, digest, decodes to its size); [] when whole.
@@ -323,7 +319,7 @@ class Store:
         if origin is not None:
             log.info("checkpoint %s: %d blobs are still only in %s (pulled lazily)", record.id,
                      len(self.origins.missing(record)), origin["reference"], extra={"checkpoint": record.id})
-        return verify_blobs(self.blobs, record, self.workers, remote_ok=origin is not None)
+        return verify_blobs(self.chunks, record, self.workers, remote_ok=origin is not None)
 
     def materialize(
         self, checkpoint: CheckpointRecord | str, dest: str | os.PathLike[str], *, prefix: str = "",
@@ -355,7 +351,7 @@ class Store:
         tree = DestTree(dest_fd)
         try:
             check_dest_only_dirs(dest_path, dest_fd, prefix)
-            write_entries(self.blobs, record, entries, tree, self.workers, self.origins.fetch_for(record.id))
+            write_entries(self.chunks, record, entries, tree, self.workers, self.origins.fetch_for(record.id))
         except BaseException as exc:
             tree.close()
             undo(dest_fd, tree.created)
@@ -381,7 +377,7 @@ class Store:
                 if entry.is_dir:
                     w.add_dir(entry.path, mode=entry.mode)
                     continue
-                with FileReader(self.blobs, record.id, entry, fetch=self.origins.fetch_for(record.id)) as reader:
+                with FileReader(self.chunks, record.id, entry, fetch=self.origins.fetch_for(record.id)) as reader:
                     w.add_reader(entry.path, reader, entry.size, mode=entry.mode)
             return w.commit(record.metadata, annotations=without_store_annotations(record.annotations),
                             provenance=record.provenance)

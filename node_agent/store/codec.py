@@ -18,7 +18,7 @@ from typing import Final
 
 import zstandard
 
-from node_agent.store.manifest import IDENTITY, ZSTD
+from node_agent.store.documents import IDENTITY, ZSTD
 
 ZSTD_LEVEL: Final = 1
 

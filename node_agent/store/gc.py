@@ -30,18 +30,12 @@ from typing import Any, Final
 
 from node_agent.errors import AgentError, InvalidArgument, NotFound
 from node_agent.oci import MAX_MANIFEST_BYTES, OCI_INDEX_MEDIA_TYPE, digest_hex
-from node_agent.store.blobs import (
-    REFS_NAME,
-    BlobStore,
-    lease_is_live,
-    live_refs,
-    os_error,
-    read_bounded,
-    scan_digests,
-)
+from node_agent.store.blobs import BlobStore
+from node_agent.store.files import os_error, read_bounded, scan_digests
+from node_agent.store.ingest import REFS_NAME, lease_is_live, live_refs
 from node_agent.store.kept import read as read_kept
 from node_agent.store.index import Index, checkpoint_ids
-from node_agent.store.manifest import is_checkpoint_entry
+from node_agent.store.documents import is_checkpoint_entry
 from node_agent.store.origins import Origins
 from node_agent.store.records import CheckpointRecord
 from node_agent.store.referrers import subject_of, without_orphans

@@ -30,8 +30,11 @@ from typing import Any, Final
 from node_agent.errors import AgentError, DataLoss, InvalidArgument, NotFound
 from node_agent.oci import EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, digest_hex
 from node_agent.store import sealing
-from node_agent.store.blobs import BlobStore, fsync_dir, read_bounded, replace_file, store_lock, write_new_file
-from node_agent.store.manifest import (
+from node_agent.store.blobs import BlobStore
+from node_agent.store.chunk_reader import ChunkReader
+from node_agent.store.files import fsync_dir, read_bounded, replace_file, write_new_file
+from node_agent.store.locking import store_lock
+from node_agent.store.documents import (
     CONFIG_SEALED_MEDIA_TYPE,
     MAX_CONFIG_BYTES,
     MAX_INDEX_BYTES,
@@ -79,11 +82,12 @@ class Index:
     known to be pulled.
     """
 
-    def __init__(self, root: str, blobs: BlobStore, *, scratch_dir: str, lock_path: str, quarantine_dir: str,
+    def __init__(self, root: str, chunks: ChunkReader, *, scratch_dir: str, lock_path: str, quarantine_dir: str,
                  lazily_pulled: Callable[[str], bool] | None = None) -> None:
         self.root = root
         self.lazily_pulled = lazily_pulled
-        self.blobs = blobs
+        self.chunks = chunks
+        self.blobs: BlobStore = chunks.blobs
         self.scratch_dir = scratch_dir
         self.lock_path = lock_path
         self.quarantine_dir = quarantine_dir
@@ -227,7 +231,7 @@ class Index:
         what = f"checkpoint {cid}: config blob {desc.digest}"
         if desc.media_type == CONFIG_SEALED_MEDIA_TYPE:
             try:
-                opened = self.blobs.open_config(config_bytes, manifest.key_id)
+                opened = self.chunks.open_config(config_bytes, manifest.key_id)
             except sealing.SealError as exc:
                 raise DataLoss(f"{what}: {exc}") from None
             if opened is None:

@@ -22,9 +22,10 @@ from typing import Any, Final
 
 from node_agent.errors import FailedPrecondition
 from node_agent.oci import digest_hex
-from node_agent.store.blobs import BlobStore, read_bounded
+from node_agent.store.blobs import BlobStore
+from node_agent.store.files import read_bounded
 from node_agent.store.index import Index
-from node_agent.store.manifest import Chunk
+from node_agent.store.documents import Chunk
 from node_agent.store.records import CheckpointRecord
 
 Fetcher = Callable[[Mapping[str, Any], Chunk], None]

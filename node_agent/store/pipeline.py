@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from node_agent.store import codec, sealing
-from node_agent.store.blobs import Ingest
+from node_agent.store.ingest import Ingest
 from node_agent.store.chunking import Chunker
-from node_agent.store.manifest import SEALED_ENCODINGS
+from node_agent.store.documents import SEALED_ENCODINGS
 
 SEGMENT_SIZE: Final = 8 << 20
 _FLUSHERS: Final = 2

@@ -22,8 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Final
 
 from node_agent.errors import DataLoss, FailedPrecondition
-from node_agent.store.blobs import FILE_MODE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, BlobStore
-from node_agent.store.manifest import Chunk, FileEntry, join_path
+from node_agent.store.chunk_reader import ChunkReader
+from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW
+from node_agent.store.documents import Chunk, FileEntry, join_path
 from node_agent.store.records import BadBlob, CheckpointRecord
 
 if TYPE_CHECKING:
@@ -44,10 +45,10 @@ class FileReader(io.RawIOBase):
     """
 
     def __init__(
-        self, blobs: BlobStore, checkpoint_id: str, entry: FileEntry, *, fetch: Callable[[Chunk], None] | None = None
+        self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, *, fetch: Callable[[Chunk], None] | None = None
     ) -> None:
         super().__init__()
-        self._blobs = blobs
+        self._chunks = chunks
         self._fetch = fetch
         self._checkpoint_id = checkpoint_id
         self._entry = entry
@@ -119,7 +120,7 @@ class FileReader(io.RawIOBase):
             return self._cached[1]
         chunk = self._entry.chunks[index]
         try:
-            data = read_or_fetch(self._blobs, chunk, self._fetch)
+            data = read_or_fetch(self._chunks, chunk, self._fetch)
         except DataLoss as exc:
             raise DataLoss(
                 f"checkpoint {self._checkpoint_id}: file {self._entry.path!r} at offset {chunk.offset}: {exc}"
@@ -136,11 +137,11 @@ class FileReader(io.RawIOBase):
             raise ValueError("I/O operation on a closed FileReader")
 
 
-def read_or_fetch(blobs: BlobStore, chunk: Chunk, fetch: Callable[[Chunk], None] | None) -> bytes:
+def read_or_fetch(chunks: ChunkReader, chunk: Chunk, fetch: Callable[[Chunk], None] | None) -> bytes:
     """A chunk's verified content; a missing blob is first fetched with ``fetch`` (a lazily pulled checkpoint)."""
-    if fetch is not None and blobs.size_of(chunk.digest) is None:
+    if fetch is not None and chunks.blobs.size_of(chunk.digest) is None:
         fetch(chunk)
-    return blobs.read_chunk(chunk)
+    return chunks.read_chunk(chunk)
 
 
 class DestTree:
@@ -200,7 +201,7 @@ class _Failure:
 
 
 def write_entries(
-    blobs: BlobStore, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree, workers: int,
+    reader: ChunkReader, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree, workers: int,
     fetch: Callable[[Chunk], None] | None = None,
 ) -> None:
     """Create ``entries`` under ``tree``: directories first, then files, their chunks written in parallel.
@@ -222,7 +223,7 @@ def write_entries(
             if failure.error is not None:
                 return
             try:
-                data = read_or_fetch(blobs, chunk, fetch)
+                data = read_or_fetch(reader, chunk, fetch)
             except DataLoss as exc:
                 raise DataLoss(f"checkpoint {record.id}: file {entry.path!r} at offset {chunk.offset}: {exc}") from exc
             view = memoryview(data)
@@ -356,7 +357,7 @@ def check_dest_only_dirs(dest: str, dest_fd: int, prefix: str = "") -> None:
             os.close(fd)
 
 
-def verify_blobs(blobs: BlobStore, record: CheckpointRecord, workers: int, *, remote_ok: bool = False) -> list[BadBlob]:
+def verify_blobs(reader: ChunkReader, record: CheckpointRecord, workers: int, *, remote_ok: bool = False) -> list[BadBlob]:
     """Check every chunk blob of ``record`` in parallel; one BadBlob per bad blob, in order of first use.
 
     With ``remote_ok`` (a lazily pulled checkpoint), a missing blob is not bad.
@@ -372,7 +373,7 @@ def verify_blobs(blobs: BlobStore, record: CheckpointRecord, workers: int, *, re
     if not chunks:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(chunks))), thread_name_prefix="store-verify") as pool:
-        reasons = list(pool.map(blobs.check_chunk, chunks.values()))
+        reasons = list(pool.map(reader.check_chunk, chunks.values()))
     bad: list[BadBlob] = []
     for digest, reason in zip(chunks, reasons, strict=True):
         if reason is None or (remote_ok and reason == "missing"):

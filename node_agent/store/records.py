@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from node_agent.errors import FailedPrecondition, InvalidArgument, NotFound
-from node_agent.store.manifest import FileEntry, is_created
+from node_agent.store.documents import FileEntry, is_created
 
 RECEIVED_ANNOTATION: Final = "io.node-agent.store.received"
 """In a checkpoint's index record: when this store published it (RFC 3339 UTC)."""

@@ -29,15 +29,17 @@ from node_agent.oci import (
     ARTIFACT_TYPE,
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
-    DescriptorError,
+    DocumentError,
     digest_hex,
     is_media_type,
-    read_descriptor,
+    read_manifest,
     sha256_digest,
 )
-from node_agent.store.blobs import BlobStore, Ingest, os_error, read_bounded
+from node_agent.store.blobs import BlobStore
+from node_agent.store.files import os_error, read_bounded
+from node_agent.store.ingest import Ingest
 from node_agent.store.index import Index, checkpoint_ids
-from node_agent.store.manifest import check_annotations
+from node_agent.store.documents import check_annotations
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,8 @@ class Referrer:
     annotations: Mapping[str, str]
 
 
-def _descriptor(raw: object, where: str) -> Descriptor:
-    try:
-        return read_descriptor(raw, keys="required", max_size=MAX_REFERRER_BLOB_BYTES if where != "subject" else None)
-    except DescriptorError as exc:
-        raise InvalidArgument(f"{where}: {exc.detail}") from None
+def _is_referrer_type(kind: object) -> bool:
+    return is_media_type(kind) and kind != ARTIFACT_TYPE
 
 
 def decode_referrer(data: bytes, *, error: type[AgentError] = InvalidArgument, what: str = "referrer manifest") -> Referrer:
@@ -80,25 +79,34 @@ def decode_referrer(data: bytes, *, error: type[AgentError] = InvalidArgument, w
             doc: Any = strictjson.loads(bytes(data))
         except strictjson.StrictJsonError as exc:
             raise InvalidArgument(str(exc)) from None
-        if not isinstance(doc, dict) or not _REQUIRED <= set(doc) <= _KEYS:
-            found = sorted(doc)[:10] if isinstance(doc, dict) else type(doc).__name__
-            raise InvalidArgument(f"keys {found}: want {sorted(_REQUIRED)}, and annotations")
-        if doc["schemaVersion"] != 2 or isinstance(doc["schemaVersion"], bool) or doc["mediaType"] != OCI_MANIFEST_MEDIA_TYPE:
-            raise InvalidArgument("not an OCI image manifest (schemaVersion 2)")
-        kind = doc["artifactType"]
-        if not is_media_type(kind) or kind == ARTIFACT_TYPE:
-            raise InvalidArgument(f"artifactType {str(kind)[:100]!r} is not that of a referrer")
-        layers = doc["layers"]
-        if not isinstance(layers, list) or len(layers) + 1 > MAX_REFERRER_BLOBS:
-            raise InvalidArgument(f"layers is not a list of at most {MAX_REFERRER_BLOBS - 1} descriptors")
-        blobs = (_descriptor(doc["config"], "config"), *(_descriptor(x, f"layers[{i}]") for i, x in enumerate(layers)))
-        subject = _descriptor(doc["subject"], "subject")
+        try:
+            read = read_manifest(doc, required=_REQUIRED, allowed=_KEYS, artifact_type=_is_referrer_type,
+                                 max_layers=MAX_REFERRER_BLOBS - 1, keys="required", max_size=MAX_REFERRER_BLOB_BYTES,
+                                 subject=True)
+        except DocumentError as exc:
+            raise InvalidArgument(_fault(doc, exc)) from None
+        subject = read.subject
+        assert subject is not None  # read with subject=True
         if subject.media_type != OCI_MANIFEST_MEDIA_TYPE:
             raise InvalidArgument(f"subject is {subject.media_type!r}, not a checkpoint's OCI image manifest")
         notes = check_annotations(doc.get("annotations", {}))
     except InvalidArgument as exc:
         raise error(f"{what}: {exc}") from None
-    return Referrer(kind, subject, blobs, notes)
+    return Referrer(str(read.artifact_type), subject, (read.config, *read.layers), notes)
+
+
+def _fault(doc: object, exc: DocumentError) -> str:
+    """What ``read_manifest`` found wrong with a referrer, in the store's words."""
+    if exc.descriptor is not None:
+        return f"{exc.where}: {exc.detail}"
+    if exc.field in ("object", "keys"):
+        found = sorted(doc)[:10] if isinstance(doc, dict) else type(doc).__name__
+        return f"keys {found}: want {sorted(_REQUIRED)}, and annotations"
+    if exc.field in ("schemaVersion", "mediaType"):
+        return "not an OCI image manifest (schemaVersion 2)"
+    if exc.field == "artifactType":
+        return f"artifactType {str(exc.value)[:100]!r} is not that of a referrer"
+    return f"layers is not a list of at most {MAX_REFERRER_BLOBS - 1} descriptors"
 
 
 def subject_of(entry: Mapping[str, Any]) -> str | None:
@@ -116,7 +124,7 @@ def without_orphans(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in entries if (subject := subject_of(e)) is None or subject in published]
 
 
-def index_entry(digest: str, size: int, referrer: Referrer) -> dict[str, Any]:
+def referrer_entry(digest: str, size: int, referrer: Referrer) -> dict[str, Any]:
     """The index.json record of a referrer manifest."""
     return {
         "mediaType": OCI_MANIFEST_MEDIA_TYPE,
@@ -164,7 +172,7 @@ def attach(index: Index, blobs: BlobStore, ingest_dir: str, subject_id: str, man
                 raise FailedPrecondition(f"referrer {digest}: blob {blob_digest} is not stored; give it")
         ingest.put(digest, data)
         ingest.commit_blobs(required)
-        _publish(index, blobs, index_entry(digest, len(data), ref), required)
+        _publish(index, blobs, referrer_entry(digest, len(data), ref), required)
     except OSError as exc:
         raise os_error(exc, f"attaching referrer {digest}") from exc
     finally:
@@ -246,5 +254,5 @@ def rediscover(blobs: BlobStore, entries: Sequence[Mapping[str, Any]]) -> list[d
                 continue
             ref = decode_referrer(data, error=DataLoss)
             if ref.subject.digest in subjects and all(blobs.size_of(d.digest) == d.size for d in ref.blobs):
-                found.append(index_entry(digest, len(data), ref))
+                found.append(referrer_entry(digest, len(data), ref))
     return sorted(found, key=lambda e: str(e["digest"]))

@@ -20,10 +20,11 @@ from typing import Any
 
 from node_agent.errors import AgentError, DataLoss
 from node_agent.oci import is_hex_digest
-from node_agent.store.blobs import BlobStore, os_error
+from node_agent.store.blobs import BlobStore
+from node_agent.store.files import os_error
 from node_agent.store.gc import Collector
 from node_agent.store.index import INDEX_NAME, Index
-from node_agent.store.manifest import is_checkpoint_entry
+from node_agent.store.documents import is_checkpoint_entry
 from node_agent.store.records import RecoveryReport
 from node_agent.store.referrers import rediscover
 

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from node_agent.names import KEY_ID_RE
 
 MAGIC: Final = b"NAS2"
 MAGIC_V1: Final = b"NAS1"
@@ -54,10 +55,8 @@ NONCE_BYTES: Final = 12
 TAG_BYTES: Final = 16
 IDENT_BYTES: Final = 32
 DIGEST_BYTES: Final = 32
-KEY_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _IDENT_LABEL: Final = b"node-agent ident v2\0"
 _KEY_LABEL: Final = b"node-agent key v2\0"
-_LABELS_V1: Final = {CHUNK: b"node-agent chunk v1\0", CONFIG: b"node-agent config v1\0"}
 _KEY_LABEL_V1: Final = b"node-agent key v1\0"
 _INTO: Final = hasattr(AESGCM, "encrypt_into")
 

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from node_agent.errors import FailedPrecondition, InvalidArgument
 from node_agent.oci import EMPTY_BLOB, EMPTY_DESCRIPTOR, MAX_MANIFEST_BYTES, Descriptor, sha256_digest
-from node_agent.store.blobs import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, BlobStore, Ingest, os_error
+from node_agent.store.blobs import BlobStore
+from node_agent.store.files import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, os_error
+from node_agent.store.ingest import Ingest
 from node_agent.store.chunking import Chunker
 from node_agent.store.index import Index
 from node_agent.store import sealing
-from node_agent.store.manifest import (
+from node_agent.store.documents import (
     CONFIG_MEDIA_TYPE,
     CONFIG_SEALED_MEDIA_TYPE,
     CREATED_ANNOTATION,

@@ -1,7 +1,7 @@
 """bench/run.py --quick on the end-to-end bed: every metric comes out, nothing is left behind.
 
 On containerd 2.x that includes the comparison with containerd's own CRI
-checkpoint and restore (bench/native.py), at 16 MiB with one run.
+checkpoint and restore (bench/scenarios/native.py), at 16 MiB with one run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import crilog, native, report
+from bench.harness import crilog
+from bench.report import docs, results
+from bench.scenarios import native
 from testbed.bed import REPO, Bed, pods_in
 
 TARGETS = {"frozen_one", "frozen_pair", "durable", "restore", "repeat_store", "rss",
@@ -76,7 +78,7 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
     )
     assert cp.returncode == 0, f"{cp.stderr[-4000:]}\n{cp.stdout[-2000:]}"
     merged = json.loads(out.read_text())
-    assert merged["schema"] == report.SCHEMA and set(merged["runs"]) == {merged["latest"]}
+    assert merged["schema"] == results.SCHEMA and set(merged["runs"]) == {merged["latest"]}
     doc = merged["runs"][merged["latest"]]
     assert doc["config"]["quick"] and doc["config"]["attached"]
     for key in ("cores", "kernel", "containerd", "runc", "criu"):
@@ -144,8 +146,8 @@ def test_quick_benchmark_reports_every_metric_and_cleans_up(agent: Bed, tmp_path
     else:
         assert doc["summary"]["native_skipped"]
 
-    # Markdown from the results file: one column per containerd version in the targets table.
-    md = report.markdown(merged)
+    # docs/benchmarks.md's blocks from the results file: one column per containerd version in the targets table.
+    md = docs.render(docs.DOCS.read_text(), merged)
     assert f"| containerd {doc['machine']['containerd']} |" in md and "## How each number is measured" in md
 
     # Nothing is left: pods, checkpoints, the work dir; the agent still serves.

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent import signing
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.errors import PermissionDenied
 from node_agent.registry import Credentials, pull
 from node_agent.store import Store

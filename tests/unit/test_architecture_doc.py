@@ -4,7 +4,7 @@ The tree is the fenced block at the top: two spaces of indent per level,
 a name ending in "/" opens a folder, a description starts past column 26
 (lines indented further are continuations). Checked: every Python module
 of node_agent/ and criu_bridge/ (generated code and `__init__.py` aside),
-every module of bench/, every file in scripts/.
+every module of bench/ and testbed/, every file in scripts/.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _named() -> set[str]:
 
 def _present() -> set[str]:
     found = set()
-    for top in ("node_agent", "criu_bridge", "bench"):
+    for top in ("node_agent", "criu_bridge", "bench", "testbed"):
         for path in (REPO / top).rglob("*.py"):
             rel = path.relative_to(REPO)
             if path.name != "__init__.py" and "_proto" not in rel.parts and "__pycache__" not in rel.parts:
@@ -48,7 +48,7 @@ def _present() -> set[str]:
 
 def test_every_module_is_in_the_architecture_and_every_name_there_exists() -> None:
     named, present = _named(), _present()
-    covered = {n for n in named if n.startswith(("node_agent/", "criu_bridge/", "bench/", "scripts/"))}
+    covered = {n for n in named if n.startswith(("node_agent/", "criu_bridge/", "bench/", "testbed/", "scripts/"))}
     assert sorted(present - covered) == [], "not in docs/architecture.md"
     missing = [n for n in covered if not (REPO / n).exists()]
     assert missing == [], "named in docs/architecture.md but absent"

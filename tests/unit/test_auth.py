@@ -28,9 +28,10 @@ from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.api.listeners import Listeners
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.errors import InvalidArgument
 from node_agent.store import Store
+from node_agent.transfers import Transfers
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
@@ -119,7 +120,9 @@ class Agent:
 
     async def __aenter__(self) -> "Agent":
         checkpointer = SimpleNamespace(settings=self.settings, cri=None)
-        self.servicer = AgentServicer(checkpointer, None, self.store, lambda dry_run=False: None)  # type: ignore[arg-type]
+        transfers = Transfers(self.settings, self.store, seal_for=lambda namespace: None)
+        self.servicer = AgentServicer(checkpointer, None, self.store, lambda dry_run=False: None,  # type: ignore[arg-type]
+                                      transfers=transfers, rekeyer=None)  # type: ignore[arg-type]
         self.listeners = Listeners(self.settings, self.servicer, None)  # type: ignore[arg-type]
         self.server = self.listeners.root_server()
         await self.listeners.bind(self.server)
@@ -370,7 +373,7 @@ async def test_local_socket_admits_root_and_the_group_only(open_dir: Path, pki: 
         refused = await asyncio.to_thread(probe, sock, *nobody)
         assert refused.startswith("PERMISSION_DENIED") and "admits only root and group 4242" in refused
         # A refused user cannot flood the log: one WARNING per uid per interval, then a count.
-        with caplog.at_level(logging.WARNING, logger="node_agent.api.security"):
+        with caplog.at_level(logging.WARNING, logger="node_agent.api.tls_files"):
             for _ in range(5):
                 assert (await asyncio.to_thread(probe, sock, *nobody)).startswith("PERMISSION_DENIED")
         refusals = [r for r in caplog.records if "refused the local socket" in r.getMessage()]
@@ -382,7 +385,7 @@ async def test_local_socket_admits_root_and_the_group_only(open_dir: Path, pki: 
 
 
 def test_unusable_tls_files_are_refused_at_start(pki: Pki) -> None:
-    from node_agent.api.security import CertificateFiles
+    from node_agent.api.tls_files import CertificateFiles
 
     a, b = pki.server("a"), pki.server("b")
     with pytest.raises(InvalidArgument, match="not a matching PEM certificate and key"):

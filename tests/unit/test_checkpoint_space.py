@@ -31,7 +31,8 @@ from criu_bridge.errors import RuntimeFailure
 from criu_bridge.freezer import Freezer
 from node_agent import diskspace, errors
 from node_agent.checkpointing import Checkpointer, CheckpointRequest
-from node_agent.config import Settings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.cri.types import Container, ContainerDetail, Pod, PodDetail
 from node_agent.journal import Journal
 from node_agent.metrics import Metrics

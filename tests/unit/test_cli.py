@@ -7,11 +7,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from node_agent.cli.containerd_config import snippet
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.errors import InvalidArgument
 
 NODE_AGENT = str(Path(sys.executable).parent / "node-agent")
@@ -82,7 +83,8 @@ def test_a_relative_socket_path_is_resolved(tmp_path: Path, monkeypatch: pytest.
 
 def test_every_settings_flag_reaches_its_setting() -> None:
     """The flags of `serve` are config keys: each one given lands in Settings under its own name."""
-    from node_agent.cli.main import build_parser, settings_from
+    from node_agent.cli.configflags import settings_from
+    from node_agent.cli.main import build_parser
 
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
@@ -98,3 +100,33 @@ def test_every_settings_flag_reaches_its_setting() -> None:
         setattr(args, dest, value)
     s = settings_from(args)
     assert {dest: getattr(s, dest) for dest in given} == given
+
+
+def test_config_flags_come_from_the_schema(tmp_path: Path) -> None:
+    """Each config flag is its key's name with its schema description as help; a flag given beats the file."""
+    import msgspec
+
+    from node_agent.cli.configflags import HANDLER, LISTENERS, SERVE, SETTINGS, settings_from
+    from node_agent.cli.main import build_parser
+    from node_agent.config.schema import Document
+
+    fields = {f.name: f for f in msgspec.structs.fields(Document)}
+    parser = build_parser()
+    commands: Any = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for command, declared in (("serve", SETTINGS + LISTENERS + SERVE), ("doctor", SETTINGS),
+                              ("install-handler", SETTINGS), ("containerd-config", HANDLER)):
+        actions = {a.dest: a for a in commands[command]._actions}
+        for name, _ in declared:
+            action = actions[name]
+            assert action.option_strings == ["--" + fields[name].encode_name]
+            if command == "containerd-config":
+                assert action.help is None
+    serve = {a.dest: a for a in commands["serve"]._actions}
+    assert serve["store"].help == f"checkpoint store (default {Settings().store})"
+    assert serve["log_format"].choices == ("text", "json") and serve["log_level"].help is None
+    assert serve["metrics_listen"].metavar == "[HOST:]PORT"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("store: /from/file\nruntime-handler: file\n")
+    args = parser.parse_args(["serve", "--config", str(cfg), "--store", "/from/flag"])
+    s = settings_from(args)
+    assert (s.store, s.runtime_handler) == ("/from/flag", "file")

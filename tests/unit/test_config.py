@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.config import Settings, load
+from node_agent.config.loading import load
+from node_agent.config.schema import Settings
 from node_agent.errors import InvalidArgument
 
 
@@ -80,7 +81,7 @@ def test_lazy_fetch_and_after_failed_restore_settings(tmp_path: Path) -> None:
 
 
 def test_non_ascii_digits_are_not_a_port() -> None:
-    from node_agent.config import host_port
+    from node_agent.config.validation import host_port
 
     with pytest.raises(InvalidArgument):
         host_port("127.0.0.1:\u00b2")  # "²".isdigit() is True, int("²") is not

@@ -193,7 +193,7 @@ def test_local_methods_and_other_services(sockdir: str) -> None:
 
 
 def test_cri_listen_setting() -> None:
-    from node_agent.config import from_mapping
+    from node_agent.config.loading import from_mapping
     from node_agent.errors import InvalidArgument
 
     assert from_mapping({"cri-listen": "unix:///run/node-agent/cri.sock"}).cri_listen == "unix:///run/node-agent/cri.sock"

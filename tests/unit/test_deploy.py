@@ -11,7 +11,9 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from node_agent.cli.main import build_parser
-from node_agent.config import Settings, host_port, load
+from node_agent.config.loading import load
+from node_agent.config.schema import Settings
+from node_agent.config.validation import host_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -19,7 +19,8 @@ from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.agent import AgentServicer
 from node_agent.cli.main import main as cli
-from node_agent.config import Devices, Settings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Devices, Settings
 from node_agent.devices.kube import KubeClient, from_kubeconfig
 from node_agent.devices.monitor import DeviceMonitor
 from node_agent.devices.nvml import Nvml
@@ -58,7 +59,7 @@ class Daemon:
     async def __aenter__(self) -> "Daemon":
         checkpointer = SimpleNamespace(settings=self.settings)
         self.servicer = AgentServicer(checkpointer, None, None, lambda dry_run=False: None,  # type: ignore[arg-type]
-                                      devices=self.monitor)
+                                      transfers=None, rekeyer=None, devices=self.monitor)  # type: ignore[arg-type]
         self.server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
         self.server.add_insecure_port("unix://" + self.socket)
@@ -148,7 +149,8 @@ async def test_list_devices_says_when_monitoring_is_off(tmp_path: Path) -> None:
     d = Daemon(tmp_path, None)
     d.monitor = None  # type: ignore[assignment]
     checkpointer = SimpleNamespace(settings=d.settings)
-    servicer = AgentServicer(checkpointer, None, None, lambda dry_run=False: None)  # type: ignore[arg-type]
+    servicer = AgentServicer(checkpointer, None, None, lambda dry_run=False: None,  # type: ignore[arg-type]
+                             transfers=None, rekeyer=None)  # type: ignore[arg-type]
     server = grpc.aio.server()
     pb_grpc.add_NodeAgentServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     server.add_insecure_port("unix://" + d.socket)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import Clock
 from devices_fakes import FakeApiServer, FakeGpu, FakePynvml, SysfsTree, resource_slice
-from node_agent.config import Devices, Settings
+from node_agent.config.schema import Devices, Settings
 from node_agent.devices.kube import KubeClient, from_kubeconfig
 from node_agent.devices.monitor import DeviceMonitor
 from node_agent.devices.nvml import Nvml, normalize_bus_id

@@ -13,7 +13,7 @@ from criu_bridge.mountinfo import Mount
 from node_agent.cli import doctor
 from node_agent.cli.checks import Check, criu_cache_check, mount_of, mounts
 from node_agent.cli.containerd_config import snippet
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 
 NODE_AGENT = str(Path(sys.executable).parent / "node-agent")
 RUNC = "/usr/sbin/runc" if os.path.exists("/usr/sbin/runc") else "/usr/bin/runc"

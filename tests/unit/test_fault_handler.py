@@ -24,41 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from criu_bridge.criuimg import encode_varint as _varint
-from node_agent.lazy import pagemap
 from node_agent.lazy.chunks import SourceError
 from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
 from node_agent.store import Store
+from testbed.lazyimages import LAZY, PAGE, UFFD_PROCESS, mm_image, pagemap_image
 
-PAGE = pagemap.PAGE_SIZE
-LAZY = pagemap.PE_LAZY | pagemap.PE_PRESENT
 PAGES = 512
-CHILD = Path(__file__).with_name("uffd_process.py")
+CHILD = UFFD_PROCESS
 PAGES_PATH = "containers/c/checkpoint/pages-1.img"
-
-
-def _fields(fields: dict[int, int]) -> bytes:
-    return b"".join(_varint(k << 3) + _varint(v) for k, v in fields.items())
-
-
-def _entry(body: bytes) -> bytes:
-    return struct.pack("<I", len(body)) + body
-
-
-MAGICS = b"\x19\x43\x56\x54\x25\x40\x08\x56"
-
-
-def pagemap_image(extents: list[tuple[int, int, int]]) -> bytes:
-    return MAGICS + _entry(_fields({1: 1})) + b"".join(_entry(_fields({1: v, 2: 0, 4: f, 5: n})) for v, n, f in extents)
-
-
-def mm_image(vmas: list[tuple[int, int]]) -> bytes:
-    body = _fields({1: 0, 2: 0})
-    for lo, hi in vmas:
-        vma = _fields({1: lo, 2: hi, 3: 0, 4: 0, 5: 3, 6: 0x22, 7: 0})
-        body += _varint(14 << 3 | 2) + _varint(len(vma)) + vma
-    return MAGICS + _entry(body)
 
 
 def sha(data: bytes) -> str:

@@ -27,10 +27,10 @@ from criu_bridge import locks
 from criu_bridge.errors import BridgeError
 from criu_bridge.wrapper import Call
 from node_agent import errors, hostaccess
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.interop import imagefacts
 from node_agent.lazy import pagemap
-from node_agent.store import manifest as store_manifest
+from node_agent.store import documents as store_manifest
 
 # Parsers get many examples; whole pipelines (an import, a pull, a CRI call) fewer.
 FAST = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -104,7 +104,7 @@ def test_config_documents_with_known_keys(doc: dict[str, Any]) -> None:
 @SLOW
 @given(st.text(max_size=400))
 def test_config_files(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
-    from node_agent.config import load
+    from node_agent.config.loading import load
 
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_text(text)
@@ -147,7 +147,7 @@ def test_store_manifest_config_and_index(documents: tuple[bytes, bytes, bytes], 
 @FAST
 @given(st.data())
 def test_registry_manifests(documents: tuple[bytes, bytes, bytes], data: st.DataObject) -> None:
-    from node_agent.registry.manifest import parse_manifest
+    from node_agent.registry.pulling import parse_manifest
 
     man, _, _ = documents
     raw = data.draw(st.one_of(mutations(man), json_docs.map(lambda d: json.dumps(d).encode())))
@@ -178,7 +178,7 @@ def test_saved_configs_against_the_cri_schema(doc: Any, kind: str) -> None:
 @given(st.dictionaries(st.text(max_size=20), st.text(max_size=10), max_size=5))
 def test_option_maps(options: dict[str, str]) -> None:
     from node_agent.podformat import parse_all_options, parse_options
-    from node_agent.restoring import parse_restore_options
+    from node_agent.admission import parse_restore_options
 
     for parse in (parse_all_options, parse_options, parse_restore_options):
         only_agent_errors(lambda: parse(options))
@@ -312,7 +312,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import grpc
 
     from node_agent.api.cri_endpoint import CriEndpoint
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
     from node_agent.store import Store
 
     root = tmp_path_factory.mktemp("cri")
@@ -399,7 +399,7 @@ def test_registry_answers(hostile_registry: tuple[Any, list[Any]], tmp_path_fact
                           queued: list[Any]) -> None:
     import time
 
-    from node_agent.config import RegistrySettings
+    from node_agent.config.schema import RegistrySettings
     from node_agent.registry import Credentials, pull
     from node_agent.store import Store
 

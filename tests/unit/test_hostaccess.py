@@ -8,7 +8,8 @@ import pytest
 
 from node_agent import errors, hostaccess
 from node_agent.podformat import SavedPod
-from node_agent.restoring import parse_restore_options, target_container_config, target_pod_config
+from node_agent.admission import parse_restore_options
+from node_agent.restoring import target_container_config, target_pod_config
 
 UID = "0f3e6a3c-7d7e-4b8a-9a55-1b7a3b1f2c11"
 KUBELET = "/var/lib/kubelet"

@@ -27,7 +27,7 @@ import pytest
 import zstandard
 
 from node_agent import errors, interop
-from node_agent.interop import archive, common, importing, landing, layer, plans
+from node_agent.interop import archive, archive_import, common, landing, layer, plans
 from node_agent.interop.common import ImportLimits
 from tests.unit.test_interop import (
     Env,
@@ -108,7 +108,7 @@ def watch(env: Env, monkeypatch: pytest.MonkeyPatch) -> Watch:
     proxy.write = w.write  # type: ignore[attr-defined]
     proxy.fstatvfs = w.fstatvfs  # type: ignore[attr-defined]
     proxy.statvfs = w.statvfs  # type: ignore[attr-defined]
-    for module in (importing, archive, landing, layer, plans):
+    for module in (archive_import, archive, landing, layer, plans):
         monkeypatch.setattr(module, "os", proxy)
     return w
 

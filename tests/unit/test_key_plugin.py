@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from node_agent import config, errors
+from node_agent import errors
+from node_agent.config.loading import from_mapping
 from node_agent.checkpointing import Checkpointer, CheckpointRequest
 from node_agent.cri.types import Pod
 from node_agent.errors import FailedPrecondition, InvalidArgument
@@ -43,7 +44,7 @@ class Clock:
 
 
 def _keys(source: dict[str, Any], clock: Clock | None = None, **more: Any) -> Keys:
-    settings = config.from_mapping({"encryption": {"key-sources": [source], **more}}).encryption
+    settings = from_mapping({"encryption": {"key-sources": [source], **more}}).encryption
     return Keys(settings, clock=clock or Clock())
 
 
@@ -132,7 +133,7 @@ async def test_a_checkpoint_asks_for_its_key_off_the_event_loop(tmp_path: Path) 
         with pytest.raises(FailedPrecondition, match="has not given any keys"):
             k.seal_key("ns")  # the first answer was no keyring: nothing may be sealed yet
         clock.now += 61
-        settings = config.from_mapping({"store": str(tmp_path / "store"), "pre-dump": "never"})
+        settings = from_mapping({"store": str(tmp_path / "store"), "pre-dump": "never"})
         cri: Any = FakeCri()
         checkpointer = Checkpointer(settings, cri, Store(settings.store), Journal(settings.journal_dir),
                                     None, Metrics(), keys=k)  # type: ignore[arg-type]
@@ -198,6 +199,6 @@ def test_a_plugins_environment_is_checked_in_the_config() -> None:
         ({"exec": ["/kms"], "env": "KMS_TOKEN"}, "env"),
     ):
         with pytest.raises(InvalidArgument, match=match):
-            config.from_mapping({"encryption": {"key-sources": [source]}})
-    parsed = config.from_mapping({"encryption": {"key-sources": [{"exec": ["/kms"], "env": ["AWS_REGION"]}]}})
+            from_mapping({"encryption": {"key-sources": [source]}})
+    parsed = from_mapping({"encryption": {"key-sources": [{"exec": ["/kms"], "env": ["AWS_REGION"]}]}})
     assert parsed.encryption.key_sources[0].env == ("AWS_REGION",)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import config
+from node_agent.config.loading import from_mapping
 from node_agent.errors import FailedPrecondition, InvalidArgument
 from node_agent.keys import Keys, parse_keyring
 
@@ -32,7 +32,7 @@ class Clock:
 
 
 def _keys(settings: dict[str, object], clock: Clock | None = None) -> Keys:
-    return Keys(config.from_mapping({"encryption": settings}).encryption, clock=clock or Clock())
+    return Keys(from_mapping({"encryption": settings}).encryption, clock=clock or Clock())
 
 
 def test_domains_groups_and_the_star() -> None:
@@ -147,4 +147,4 @@ def test_key_sources_are_checked_in_the_config() -> None:
         ({"domains": {"a": ["x"], "b": ["x"]}}, "in both"),
     ):
         with pytest.raises(InvalidArgument, match=match):
-            config.from_mapping({"encryption": settings})
+            from_mapping({"encryption": settings})

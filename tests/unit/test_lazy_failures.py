@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.errors import DataLoss, Unavailable
 from node_agent.lazy.restores import LazyRestores
 from node_agent.lazy.session import LazySession

@@ -25,7 +25,7 @@ from node_agent import authz
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api.listeners import Listeners
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.cri.types import Pod
 from node_agent.errors import InvalidArgument
 from node_agent.store import Store

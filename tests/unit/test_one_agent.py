@@ -1,4 +1,4 @@
-"""One agent per store, and no live socket taken over (`agentlock`, `api.security.claim_socket`).
+"""One agent per store, and no live socket taken over (`agentlock`, `api.unix_sockets.claim_socket`).
 
 Every "other agent" here is a real second process: one that holds the
 store's agent lock, or one that serves a Unix socket.
@@ -20,8 +20,9 @@ import pytest
 from criu_bridge.watchdog import proc_starttime
 from node_agent import agentlock, errors
 from node_agent.api.listeners import Listeners
-from node_agent.api.security import LocalSocketGate, claim_socket
-from node_agent.config import from_mapping
+from node_agent.api.local_socket import LocalSocketGate
+from node_agent.api.unix_sockets import claim_socket
+from node_agent.config.loading import from_mapping
 from node_agent.daemon import serve
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 from node_agent import errors
 from node_agent.podformat import SUPPORTED_OPTIONS, parse_all_options, parse_options
 from node_agent.options import boolean
-from node_agent.restoring import RESTORE_OPTIONS, parse_restore_options
+from node_agent.admission import RESTORE_OPTIONS, parse_restore_options
 
 LOOSE = ["", "1", "0", "yes", "no", "TRUE", "False", " true", "true ", "on", "y", "2"]
 

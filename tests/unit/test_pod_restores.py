@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from node_agent import config
+from node_agent.config.loading import from_mapping
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, PodRestores
@@ -96,7 +96,7 @@ def _sealed_node(tmp_path: Path, domains: dict[str, list[str]]) -> tuple[PodRest
     ring.write_text(json.dumps({"domains": {
         name: [{"id": f"{name}-1", "key": base64.b64encode(bytes([i + 1]) * 32).decode()}]
         for i, name in enumerate(["tenant-a", "tenant-b"])}}))
-    s = config.from_mapping({"store": str(tmp_path / "store"),
+    s = from_mapping({"store": str(tmp_path / "store"),
                              "encryption": {"key-sources": [{"file": str(ring)}], "domains": domains}})
     keys = Keys(s.encryption)
     store = Store(s.store, keys=keys)

@@ -10,7 +10,8 @@ import pytest
 from node_agent import errors, policy
 from node_agent.cli import doctor, main
 from node_agent.cli.checks import Check
-from node_agent.config import Settings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.errors import InvalidArgument
 
 

@@ -26,17 +26,21 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
+from node_agent.admission import foreign_engine
 from node_agent.api.agent import AgentServicer
 from node_agent.api.cri_endpoint import RESTORE_FROM, CriEndpoint
 from node_agent.api.listeners import Listeners
 from node_agent.checkpointing import Checkpointer
-from node_agent.config import Settings, from_mapping
+from node_agent.rekeying import Rekeyer
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.cri.types import Pod
 from node_agent.journal import Journal
 from node_agent.metrics import Metrics
 from node_agent.podformat import load_saved
-from node_agent.restoring import Restorer, foreign_engine
+from node_agent.restoring import Restorer
 from node_agent.store import CheckpointRecord, Store
+from node_agent.transfers import Transfers
 from test_interop import fake_cpuinfo, make_checkpoint, podman_archive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +142,10 @@ class Node:
         self.containerd = FakeContainerd()
 
     async def __aenter__(self) -> Node:
-        self.servicer = AgentServicer(self.checkpointer, self.restorer, self.store, lambda dry_run=False: None)
+        transfers = Transfers(self.settings, self.store, seal_for=self.checkpointer.seal_key)
+        self.servicer = AgentServicer(self.checkpointer, self.restorer, self.store, lambda dry_run=False: None,
+                                      transfers=transfers,
+                                      rekeyer=Rekeyer(self.settings, self.store, self.checkpointer.keys))
         self.server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
         self.listeners = Listeners(self.settings, self.servicer, None)  # type: ignore[arg-type]

@@ -23,7 +23,8 @@ import pytest
 from criu_bridge import wrapper
 from criu_bridge.watchdog import holders, proc_starttime
 from node_agent import errors
-from node_agent.config import Settings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.cri.client import RuntimeUnavailable
 from node_agent.cri.types import Container, ContainerDetail, Pod, PodDetail
 from node_agent.journal import Entry, Journal

@@ -29,7 +29,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent import signing
-from node_agent.config import RegistrySettings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DataLoss, NotFound, PermissionDenied, ResourceExhausted
 from node_agent.registry import Admission, Credentials, pull, push
 from node_agent.registry.budget import CHECK_EVERY, PullBudget

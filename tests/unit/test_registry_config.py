@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.config import RegistrySettings, Settings, from_mapping, load, parse_registry
+from node_agent.config.loading import from_mapping, load, parse_registry
+from node_agent.config.schema import RegistrySettings, Settings
 from node_agent.errors import InvalidArgument
 from node_agent.registry import Credentials, pull
 from node_agent.store import Store

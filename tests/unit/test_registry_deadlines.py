@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DeadlineExceeded
 from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE
 from node_agent.registry import Credentials, pull, push

@@ -12,7 +12,7 @@ from node_agent.errors import InvalidArgument, Unavailable
 from node_agent.oci import ARTIFACT_TYPE, MAX_MANIFEST_BYTES, OCI_MANIFEST_MEDIA_TYPE
 from node_agent.registry import Credentials, Reference, parse_reference
 from node_agent.registry.auth import parse_challenges, parse_token_response
-from node_agent.registry.manifest import parse_manifest
+from node_agent.registry.pulling import parse_manifest
 
 D1 = "sha256:" + "a" * 64
 D2 = "sha256:" + "b" * 64

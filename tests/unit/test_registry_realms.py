@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import FailedPrecondition, InvalidArgument, Unauthenticated
 from node_agent.registry import Credentials, pull, push
 from node_agent.registry.connection import origin_of

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent import signing
-from node_agent.config import from_mapping
+from node_agent.config.loading import from_mapping
 from node_agent.errors import FailedPrecondition, PermissionDenied
 from node_agent.oci import OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry import Credentials, pull, push

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from node_agent.registry import Admission, Credentials, Progress, pull, push
 from node_agent.store import CheckpointRecord, Store
@@ -195,7 +195,7 @@ def test_a_pull_that_does_not_fit_is_refused_before_it_starts(
 
 _CHILD = r"""
 import sys
-from node_agent.config import RegistrySettings
+from node_agent.config.schema import RegistrySettings
 from node_agent.registry import Credentials, pull
 from node_agent.store import Store
 
@@ -233,7 +233,7 @@ def test_a_pull_killed_outright_is_cleared_by_the_start_up_repair(
 
 
 def test_the_setting_is_a_day_by_default_zero_allowed_negative_refused() -> None:
-    from node_agent.config import from_mapping
+    from node_agent.config.loading import from_mapping
     from node_agent.errors import InvalidArgument
 
     assert from_mapping({}).registry.partial_pull_ttl == 86400

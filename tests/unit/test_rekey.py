@@ -4,7 +4,7 @@ The copy is signed by the node only when the source carries a signature
 that verifies under a key trusted for the source's namespace (its
 `restore.trusted-keys` entry or "*") or under the node's own signing key;
 an unsigned, foreign-signed or tampered source gives an unsigned copy, and
-the result says why. The checkpointer runs on a real store; no pod is
+the result says why. The rekeyer runs on a real store; no pod is
 involved (a rekey reads and writes the store only).
 """
 
@@ -21,10 +21,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent import signing
-from node_agent.checkpointing import Checkpointer
-from node_agent.config import Settings, from_mapping
-from node_agent.metrics import Metrics
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.oci import EMPTY_DIGEST, OCI_MANIFEST_MEDIA_TYPE, Descriptor, sha256_digest
+from node_agent.rekeying import Rekeyer
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.sealing import SealKey, StaticKeyring
 
@@ -46,7 +46,7 @@ def _key_file(tmp_path: Path, name: str, key: Ed25519PrivateKey) -> str:
     return str(path)
 
 
-class _Sealing(Checkpointer):
+class _Sealing(Rekeyer):
     """Seals namespace "ns" under KEY, so a rekey of a clear checkpoint makes a new one."""
 
     def seal_key(self, namespace: str) -> SealKey | None:
@@ -62,7 +62,7 @@ class Node:
             "restore": {"trusted-keys": trusted},
         })
         self.store = Store(self.settings.store, chunk_size=256, keys=StaticKeyring([KEY]))
-        self.checkpointer = _Sealing(self.settings, None, self.store, None, None, Metrics())  # type: ignore[arg-type]
+        self.rekeyer = _Sealing(self.settings, self.store)
 
     @property
     def key_id(self) -> str:
@@ -86,14 +86,14 @@ def _sign(tmp_path: Path, node: Node, record: CheckpointRecord, key: Ed25519Priv
 
 
 def _assert_signed_copy(node: Node, source: CheckpointRecord) -> None:
-    new, signed = node.checkpointer.rekey(source)
+    new, signed = node.rekeyer.rekey(source)
     assert new.id != source.id and new.key_id == KEY.key_id
     assert (signed.signer, signed.unsigned) == (node.key_id, "")
     assert signing.signers(node.store, new.id) == [node.key_id]
 
 
 def _assert_unsigned_copy(node: Node, source: CheckpointRecord, why: str) -> str:
-    new, signed = node.checkpointer.rekey(source)
+    new, signed = node.rekeyer.rekey(source)
     assert new.id != source.id and new.key_id == KEY.key_id
     assert signed.signer == "" and why in signed.unsigned, signed.unsigned
     assert signed.unsigned.startswith(f"its source {source.id} carries no signature that verifies under a key "
@@ -158,17 +158,17 @@ def test_a_tampered_signature_gives_an_unsigned_copy(tmp_path: Path, other: Ed25
 
 def test_a_copy_that_is_the_source_is_left_as_it_is(tmp_path: Path) -> None:
     node = Node(tmp_path, {})
-    sealed, _ = node.checkpointer.rekey(node.source())  # unsigned source: an unsigned sealed copy
-    again, signed = node.checkpointer.rekey(sealed)
+    sealed, _ = node.rekeyer.rekey(node.source())  # unsigned source: an unsigned sealed copy
+    again, signed = node.rekeyer.rekey(sealed)
     assert again.id == sealed.id and signed == signing.CopySignature()
     assert node.store.referrers(sealed.id) == []
 
 
 def test_without_a_signing_key_nothing_is_signed(tmp_path: Path, other: Ed25519PrivateKey) -> None:
     node = Node(tmp_path, {"*": [_inline(other)]})
-    node.checkpointer.settings = from_mapping({"store": node.settings.store, "restore": {"trusted-keys": {"*": [_inline(other)]}}})
+    node.rekeyer.settings = from_mapping({"store": node.settings.store, "restore": {"trusted-keys": {"*": [_inline(other)]}}})
     source = node.source()
     _sign(tmp_path, node, source, other)
-    new, signed = node.checkpointer.rekey(source)
+    new, signed = node.rekeyer.rekey(source)
     assert new.id != source.id and signed == signing.CopySignature()
     assert node.store.referrers(new.id) == []

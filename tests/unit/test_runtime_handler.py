@@ -13,7 +13,7 @@ import pytest
 
 from criu_bridge import wrapper
 from node_agent import errors, runtime_handler
-from node_agent.config import Settings
+from node_agent.config.schema import Settings
 from node_agent.cri.types import Container, ContainerDetail
 
 

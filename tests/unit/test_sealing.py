@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from node_agent.errors import DataLoss, FailedPrecondition
 from node_agent.store import Store, codec
-from node_agent.store.manifest import (
+from node_agent.store.documents import (
     CHUNK_SEALED_MEDIA_TYPE,
     CONFIG_SEALED_MEDIA_TYPE,
     IDENTITY,

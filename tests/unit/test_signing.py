@@ -22,11 +22,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node_agent import signing
-from node_agent.config import Settings, from_mapping
+from node_agent.config.loading import from_mapping
+from node_agent.config.schema import Settings
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from node_agent.oci import EMPTY_DIGEST, OCI_MANIFEST_MEDIA_TYPE, Descriptor, sha256_digest
 from node_agent.store import CheckpointRecord, RetentionPolicy, Store
-from node_agent.store.manifest import CREATED_ANNOTATION
+from node_agent.store.documents import CREATED_ANNOTATION
 from node_agent.store.referrers import SUBJECT_ANNOTATION
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC).timestamp()

@@ -29,10 +29,10 @@ from node_agent.store import (
 )
 from node_agent.store import checkpoints as checkpoints_mod
 from node_agent.store import index as index_mod
-from node_agent.store import manifest as manifest_mod
+from node_agent.store import documents as manifest_mod
 from node_agent.store import pipeline as pipeline_mod
 from node_agent.store.chunking import Chunker
-from node_agent.store.manifest import CREATED_ANNOTATION, canonical_json
+from node_agent.store.documents import CREATED_ANNOTATION, canonical_json
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")

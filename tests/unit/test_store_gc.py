@@ -16,7 +16,7 @@ import pytest
 
 from node_agent.errors import InvalidArgument, NotFound
 from node_agent.store import CheckpointRecord, RetentionPolicy, Store
-from node_agent.store.manifest import CREATED_ANNOTATION
+from node_agent.store.documents import CREATED_ANNOTATION
 from node_agent.store.records import PROVENANCE_ANNOTATION, RECEIVED_ANNOTATION
 from node_agent.store.sealing import SealKey
 

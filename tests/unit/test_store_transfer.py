@@ -17,7 +17,7 @@ import pytest
 from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from node_agent.oci import Descriptor
 from node_agent.store import CheckpointRecord, Store
-from node_agent.store.manifest import CONFIG_MEDIA_TYPE, CREATED_ANNOTATION, canonical_json
+from node_agent.store.documents import CONFIG_MEDIA_TYPE, CREATED_ANNOTATION, canonical_json
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")

@@ -102,7 +102,7 @@ def test_install_systemd_lays_out_the_tree(tmp_path: Path) -> None:
     assert (root / "opt/node-agent/criu/usr/sbin/criu").is_file()
 
     # The config is the real loader's.
-    from node_agent.config import load
+    from node_agent.config.loading import load
 
     s = load(str(root / "etc/node-agent/config.yaml"))
     assert s.store == "/var/lib/node-agent" and s.health_listen
@@ -138,7 +138,7 @@ version = 2
 
 def _install_over(tmp_path: Path, config_text: str) -> tuple[Path, Path]:
     """install-handler into a root whose containerd config is `config_text`: (root, config path)."""
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
 
     root = tmp_path / "r"
     cfg = root / "etc/containerd/config.toml"
@@ -149,7 +149,7 @@ def _install_over(tmp_path: Path, config_text: str) -> tuple[Path, Path]:
 
 
 def test_handler_block_is_appended_once_and_follows_the_cgroup_driver(tmp_path: Path) -> None:
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
 
     root, cfg = _install_over(tmp_path, DEBIAN_CONFIG)
     first = cfg.read_text()
@@ -169,7 +169,7 @@ def test_handler_refuses_configs_it_cannot_merge(tmp_path: Path) -> None:
         inst.merge_containerd_config('[plugins.cri]\nx = 1\n', "", 2)
     clash = DEBIAN_CONFIG + '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.criu]\n  runtime_type = "x"\n'
     from node_agent.cli.containerd_config import snippet
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
 
     with pytest.raises(FailedPrecondition, match="already defines"):
         inst.merge_containerd_config(clash, snippet(Settings(), 2), 2)
@@ -196,7 +196,7 @@ def test_install_handler_with_a_runtime_bundle(tmp_path: Path) -> None:
 
 
 def test_runtime_bundle_and_wrapper_python_must_agree(tmp_path: Path) -> None:
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
     from node_agent.errors import InvalidArgument
 
     bundle = tmp_path / "bundle"
@@ -223,7 +223,7 @@ version = 3
 
 
 def test_install_handler_edits_a_version_3_config(tmp_path: Path) -> None:
-    from node_agent.config import Settings
+    from node_agent.config.schema import Settings
 
     root, cfg = _install_over(tmp_path, CONTAINERD2_CONFIG)
     doc = tomllib.loads(cfg.read_text())

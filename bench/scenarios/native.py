@@ -33,13 +33,16 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 
+from bench.harness.base import NS_RESTORE, BenchError, log
+from bench.harness.env import Ctr
+from bench.harness.measure import fsync_path, read_through, tree_bytes
+from bench.harness.ops import Bench
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri import CriClient
@@ -47,20 +50,13 @@ from node_agent.cri.client import grpc_target
 from testbed.bed import pod_config
 from testbed.registry import Registry
 
-if TYPE_CHECKING:
-    from bench.run import Bench, Ctr
-
 T = TypeVar("T")
 REPO_NAME = "node-agent-bench/memhog"
 CONTENT_DIR = ("root", "io.containerd.content.v1.content")
 
 
-class NativeError(Exception):
+class NativeError(BenchError):
     """A failure of the native path or of its set-up, reported as one line."""
-
-
-def log(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
 def unsupported(info: dict[str, Any]) -> str:
@@ -78,39 +74,10 @@ def unsupported(info: dict[str, Any]) -> str:
     return ""
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_through(path: str) -> int:
-    """Reads a file once, so what follows finds it in the page cache."""
-    buf = bytearray(8 << 20)
-    total = 0
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            total += n
-    return total
-
-
-def tree_bytes(root: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
 class Native:
     """The comparison with containerd's own path on one test bed; `cleanup` removes what it made."""
 
-    def __init__(self, bench: Bench, restore_namespace: str) -> None:
+    def __init__(self, bench: Bench, restore_namespace: str = NS_RESTORE) -> None:
         self.bench = bench
         self.ns = restore_namespace
         self.dir = bench.work / "native"
@@ -363,3 +330,16 @@ class Native:
         shutil.rmtree(self.dir, ignore_errors=True)
         return errors
 
+
+def run(bench: Bench) -> None:
+    """The comparison at each --native-sizes, unless the bed's containerd has none or --no-native; what it made
+    is removed with the rest of the run."""
+    args = bench.args
+    why_not = unsupported(bench.b.info) if not args.no_native else "--no-native"
+    if why_not:
+        log(f"against containerd's own checkpoint and restore: skipped ({why_not})")
+        bench.results["native"] = {"skipped": why_not}
+        return
+    native = Native(bench, NS_RESTORE)
+    bench.cleanups.append(native.cleanup)  # the registry's image, its hosts.toml, the registry
+    bench.results["native"] = native.run(args.native_sizes)

@@ -34,21 +34,15 @@ from typing import TYPE_CHECKING, BinaryIO, Final
 
 from node_agent.errors import AgentError, DataLoss, FailedPrecondition, InvalidArgument
 from node_agent.oci import digest_hex, sha256_digest
-from node_agent.store.blobs import (
-    BLOB_PREFIX,
-    FILE_MODE,
-    O_CLOEXEC,
-    O_NOFOLLOW,
-    BlobStore,
-    Ingest,
-    os_error,
-    store_lock,
-    write_all,
-)
+from node_agent.store.blobs import BlobStore
+from node_agent.store.chunk_reader import ChunkReader
+from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, os_error, write_all
+from node_agent.store.ingest import BLOB_PREFIX, Ingest
+from node_agent.store.locking import store_lock
 from node_agent.store.gc import Collector
 from node_agent.store.index import Index
 from node_agent.store import kept, sealing
-from node_agent.store.manifest import (
+from node_agent.store.documents import (
     MAX_BLOB_SIZE,
     CheckpointConfig,
     CheckpointManifest,
@@ -90,13 +84,14 @@ class BlobImporter:
     ``collector`` sweeps what ``discard`` leaves.
     """
 
-    def __init__(self, blobs: BlobStore, index: Index, origins: Origins, collector: Collector, *,
+    def __init__(self, chunks: ChunkReader, index: Index, origins: Origins, collector: Collector, *,
                  ingest_dir: str, keep_for: float = 0.0, manifest: str = "", reference: str = "") -> None:
-        self._blobs = blobs
+        self._chunks = chunks
+        self._blobs: BlobStore = chunks.blobs
         self._index = index
         self._origins = origins
         self._collector = collector
-        self._ingest = Ingest(ingest_dir, index.lock_path, blobs)
+        self._ingest = Ingest(ingest_dir, index.lock_path, self._blobs)
         # Keep what it brought for this long if it stops unpublished (a pull; see ``abort``).
         self._keep = (float(keep_for), manifest, reference or manifest) if keep_for > 0 and manifest else None
         if self._keep is not None:
@@ -289,7 +284,7 @@ class BlobImporter:
         """
         if doc.key_id:
             try:
-                opened = self._blobs.open_config(data, doc.key_id)
+                opened = self._chunks.open_config(data, doc.key_id)
             except sealing.SealError as exc:
                 raise InvalidArgument(f"{where}: config: {exc}") from None
             if opened is None:

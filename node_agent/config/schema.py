@@ -1,34 +1,25 @@
-"""Settings: every path, endpoint, timeout and policy in one frozen object.
+"""The config file's schema: every path, endpoint, timeout and policy in one frozen object.
 
-`load()` merges built-in defaults, an optional YAML config file and command
-line flags (in that order of precedence, flags last). No I/O besides reading
-the config file.
-
-The settings classes are the config file's schema: frozen msgspec `Struct`s
-whose fields, written with dashes (`raise_polls` is `raise-polls`), are the
-keys; a section is a nested Struct. Types and `Meta` bounds say what each key
-takes, so decoding refuses unknown keys, values of the wrong type and values
-out of bounds, and the message names the key (`devices.raise-polls`). The
-few values that need more than a type (a listener port given as a number,
-token realms, authorization rules) are classes of their own, parsed by
-`_parse_value`. `validate` adds the checks that relate values to the node
-(absolute paths, the listeners' addresses) and runs on flags too.
+The settings classes are frozen msgspec `Struct`s whose fields, written with
+dashes (`raise_polls` is `raise-polls`), are the config file's keys; a
+section is a nested Struct. Types and `Meta` bounds say what each key takes;
+`node_agent.config.validation` reads them to check a document, and a
+top-level key's `Meta` description is the help of its command line flag
+(`node_agent.cli.configflags`). The few values that need more than a type (a
+listener port given as a number, token realms, authorization rules) are
+classes of their own. No I/O, and no checks: this module only declares.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
-from typing import Annotated, Any, Literal, Mapping, TypeVar
-from urllib.parse import urlsplit
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct, field
 
-from node_agent.authz import Rule, parse_rules
-from node_agent.configerrors import refusal, shown
-from node_agent.errors import InvalidArgument
+from node_agent.authz import Rule
 
 DEFAULT_CONFIG_PATH = "/etc/node-agent/config.yaml"
 # `min-free-bytes` when the config leaves it out (and what a pull keeps free when its caller does not say).
@@ -58,8 +49,8 @@ class Rules(tuple[Rule, ...]):
     """The mutual-TLS listener's authorization rules (`authz.parse_rules`)."""
 
 
-class _FrozenMap(dict[str, Any]):
-    """A settings mapping (name -> value) that is hashable and never changes; `_parse_value` builds it."""
+class FrozenMap(dict[str, Any]):
+    """A settings mapping (name -> value) that is hashable and never changes; validation builds it."""
 
     item_type: Any = None
 
@@ -72,7 +63,7 @@ class _FrozenMap(dict[str, Any]):
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
 
 
-class NameGroups(_FrozenMap):
+class NameGroups(FrozenMap):
     """Names mapped to lists of names (`encryption.domains`, `restore.trusted-keys`)."""
 
     item_type = tuple[str, ...]
@@ -184,22 +175,6 @@ class RegistrySettings(_Section, frozen=True):
         return out
 
 
-def token_realm_host(value: Any, what: str = "registry.token-realms") -> str:
-    """`host`, `host:port`, `[v6]` or `[v6]:port` as `host:port` (port 443 when not given), lowercase."""
-    if (not isinstance(value, str) or not value or not value.isascii()
-            or any(c in "/?#@%\\" or not c.isprintable() or c.isspace() for c in value)):
-        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}")
-    try:
-        parts = urlsplit("https://" + value)
-        port = parts.port
-    except ValueError:
-        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}") from None
-    host = parts.hostname
-    if not host or port == 0:
-        raise InvalidArgument(f"{what}: expected a host or host:port, got {value!r}")
-    return f"[{host}]:{port or 443}" if ":" in host else f"{host}:{port or 443}"
-
-
 class KeySource(_Section, frozen=True):
     """One place encryption keys come from: exactly one of `file`, `secret`, `exec` (docs/security.md)."""
 
@@ -282,7 +257,7 @@ class NamespaceRule(_Section, frozen=True):
     restore: bool | None = None
 
 
-class NamespaceRules(_FrozenMap):
+class NamespaceRules(FrozenMap):
     """`namespaces:`: a namespace ("*": every other) -> its NamespaceRule."""
 
     item_type = NamespaceRule
@@ -291,16 +266,20 @@ class NamespaceRules(_FrozenMap):
 class Document(_Section, frozen=True):
     """Every key of a config file: the settings less where they were read from."""
 
-    cri_endpoint: str = "unix:///run/containerd/containerd.sock"
-    socket: str = "/run/node-agent/agent.sock"
-    store: str = "/var/lib/node-agent"
-    runtime_handler: str = "criu"
-    runc_root: str = "/run/containerd/runc/k8s.io"
-    runc: str = "runc"
-    criu: str = "criu"
+    # A description is the help of the key's command line flag; {default}
+    # stands for the default value.
+    cri_endpoint: Annotated[str, Meta(description="CRI endpoint (default {default})")] = (
+        "unix:///run/containerd/containerd.sock")
+    socket: Annotated[str, Meta(description="local API socket (default {default})")] = "/run/node-agent/agent.sock"
+    store: Annotated[str, Meta(description="checkpoint store (default {default})")] = "/var/lib/node-agent"
+    runtime_handler: Annotated[str, Meta(description="restore runtime handler (default {default})")] = "criu"
+    runc_root: Annotated[str, Meta(description="runc root of CRI containers (default {default})")] = (
+        "/run/containerd/runc/k8s.io")
+    runc: Annotated[str, Meta(description="runc binary (default: runc on PATH)")] = "runc"
+    criu: Annotated[str, Meta(description="criu binary (default: criu on PATH)")] = "criu"
     # Group (name or gid) allowed on the local socket besides root.
     socket_group: str = ""
-    log_format: LogFormat = "text"
+    log_format: Annotated[LogFormat, Meta(description="daemon log format")] = "text"
     log_level: LogLevel = "info"
     # Free bytes a restore leaves on the store's filesystem, beyond the
     # checkpoint's own size, and that every pull leaves free there.
@@ -322,24 +301,25 @@ class Document(_Section, frozen=True):
     lazy_restore: Literal["auto", "never"] = "auto"
     # The mutual-TLS API listener (HOST:PORT; off when empty), its PEM
     # files (re-read when they change) and who may call what there.
-    listen: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
+    listen: Annotated[str, Meta(description="serve the API here with mutual TLS (off by default)")] = ""
+    tls_cert: Annotated[str, Meta(description="the TLS listener's PEM certificate chain (reloaded on change)")] = ""
+    tls_key: Annotated[str, Meta(description="the TLS listener's PEM private key (reloaded on change)")] = ""
+    tls_client_ca: Annotated[str, Meta(description="PEM CA bundle that client certificates must chain to")] = ""
     authorization: Rules = Rules()
     # Plaintext health (HOST:PORT or PORT, loopback by default) and
     # Prometheus metrics listeners; off when empty.
-    health_listen: Address = Address("")
-    metrics_listen: Address = Address("")
+    health_listen: Annotated[Address, Meta(description="plaintext grpc.health.v1 (loopback by default)")] = Address("")
+    metrics_listen: Annotated[Address, Meta(description="Prometheus metrics at /metrics (loopback by default)")] = (
+        Address(""))
     # The CRI endpoint for the kubelet (unix:///path; off when empty).
-    cri_listen: str = ""
+    cri_listen: Annotated[str, Meta(description="serve the CRI for the kubelet here (unix:///path; off by default)")] = ""
     # The interpreter the restore wrapper runs on, as a host path. Empty: the
     # agent's own, and `serve` writes the wrapper at start. Set (the
     # DaemonSet, whose agent's Python is not on the host): `install-handler`
     # writes the wrapper and `serve` leaves it alone.
     wrapper_python: str = ""
     # The sysfs tree the device inventory reads.
-    sysfs_root: str = "/sys"
+    sysfs_root: Annotated[str, Meta(description="the sysfs tree the device inventory reads (default {default})")] = "/sys"
     devices: Devices = field(default_factory=Devices)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retention: Retention = field(default_factory=Retention)
@@ -386,173 +366,3 @@ class Settings(Document, frozen=True):
     @property
     def wrapper_path(self) -> str:
         return os.path.join(self.bin_dir, "node-agent-runc")
-
-
-# ---- decoding ------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def _parse_value(kind: type, value: Any) -> Any:
-    """The values whose class says more than a type can (msgspec's `dec_hook`)."""
-    if kind is Address:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return Address(value)
-        if not isinstance(value, str):
-            raise ValueError(f"must be HOST:PORT or a port, got {shown(value)}")
-        return Address(value)
-    if kind is TokenRealms:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"must be a list of hosts, got {shown(value)}")
-        return TokenRealms(dict.fromkeys(token_realm_host(v) for v in value))
-    if kind is Rules:
-        return Rules(parse_rules(value))
-    if isinstance(kind, type) and issubclass(kind, _FrozenMap):
-        if not isinstance(value, Mapping):
-            raise ValueError(f"must be a mapping, got {shown(value)}")
-        items: dict[str, Any] = {}
-        for name, item in value.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"every key must be a non-empty string, got {shown(name)}")
-            try:
-                items[name] = msgspec.convert(item, kind.item_type)
-            except msgspec.ValidationError as exc:
-                raise ValueError(f"[{name!r}]: {exc}") from None
-        return kind(items)
-    raise NotImplementedError(kind)
-
-
-def _decode(data: Any, kind: type[T], within: str = "") -> T:
-    """`data` (a parsed document, or the section `within`) as `kind`; InvalidArgument names the failing key."""
-    try:
-        return msgspec.convert(data, kind, dec_hook=_parse_value)
-    except msgspec.ValidationError as exc:
-        raise refusal(str(exc), data, kind, within) from None
-
-
-def parse_registry(value: Any) -> RegistrySettings:
-    """The `registry:` section; keys are the field names with dashes."""
-    return _decode(value, RegistrySettings, "registry")
-
-
-def from_mapping(data: Mapping[str, Any]) -> Settings:
-    """Settings from a parsed config document; unknown keys are errors."""
-    document = _decode(data, Document)
-    return validate(Settings(**msgspec.structs.asdict(document)))
-
-
-# ---- checks beyond types -----------------------------------------------------
-
-
-def validate(s: Settings) -> Settings:
-    for name in ("socket", "store", "runc_root", "sysfs_root", "kubelet_root", "pod_log_root"):
-        if not os.path.isabs(getattr(s, name)):
-            raise InvalidArgument(f"{name.replace('_', '-')} must be an absolute path, got {getattr(s, name)!r}")
-    if not s.cri_endpoint.startswith(("unix://", "unix:")) and ":" not in s.cri_endpoint:
-        raise InvalidArgument(f"cri-endpoint must be a unix:// URL or HOST:PORT, got {s.cri_endpoint!r}")
-    if s.cri_listen and not (s.cri_listen.startswith("unix:///") and len(s.cri_listen) > len("unix:///")):
-        raise InvalidArgument(f"cri-listen must be a unix:///path URL, got {s.cri_listen!r}")
-    if s.wrapper_python and not os.path.isabs(s.wrapper_python):
-        raise InvalidArgument(f"wrapper-python must be an absolute path, got {s.wrapper_python!r}")
-    if not s.runtime_handler or not all(c.isalnum() or c in "-_." for c in s.runtime_handler):
-        raise InvalidArgument(f"runtime-handler {s.runtime_handler!r} is not a valid handler name")
-    _validate_security(s)
-    return _validate_listeners(s)
-
-
-_KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _validate_security(s: Settings) -> None:
-    for i, source in enumerate(s.encryption.key_sources):
-        given = [k for k in ("file", "secret", "exec") if getattr(source, k)]
-        if len(given) != 1:
-            raise InvalidArgument(
-                f"encryption.key-sources[{i}] needs exactly one of file, secret, exec (got {', '.join(given) or 'none'})"
-            )
-        path = source.file or source.secret
-        if path and not os.path.isabs(path):
-            raise InvalidArgument(f"encryption.key-sources[{i}].{given[0]} must be an absolute path, got {path!r}")
-        if source.exec and not os.path.isabs(source.exec[0]):
-            raise InvalidArgument(f"encryption.key-sources[{i}].exec: the command must be an absolute path")
-        if source.env and not source.exec:
-            raise InvalidArgument(f"encryption.key-sources[{i}].env: only a plugin (exec) has an environment")
-        for name in source.env:
-            if not _ENV_NAME.fullmatch(name):
-                raise InvalidArgument(f"encryption.key-sources[{i}].env: {name!r} is not an environment variable name")
-    owner: dict[str, str] = {}
-    for name, members in s.encryption.domains.items():
-        if not _KEY_ID.fullmatch(name):
-            raise InvalidArgument(f"encryption.domains: {name!r} is not a domain name ([A-Za-z0-9._-], at most 64)")
-        for ns in members:
-            if ns in owner:
-                raise InvalidArgument(f"encryption.domains: namespace {ns!r} is in both {owner[ns]!r} and {name!r}")
-            owner[ns] = name
-    if s.signing.key_file and not os.path.isabs(s.signing.key_file):
-        raise InvalidArgument(f"signing.key-file must be an absolute path, got {s.signing.key_file!r}")
-    for ns, keys in s.restore.trusted_keys.items():
-        for key in keys:
-            if not (key.startswith("ed25519:") or os.path.isabs(key)):
-                raise InvalidArgument(
-                    f"restore.trusted-keys[{ns!r}]: {key!r} is neither an absolute path nor ed25519:<base64>"
-                )
-
-
-def host_port(value: str, *, default_host: str = "", what: str = "listen") -> tuple[str, int]:
-    """`HOST:PORT`, `[V6]:PORT`, or `PORT`/`:PORT` with `default_host`."""
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "", value
-    host = host.strip("[]") or default_host
-    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"{what} must be HOST:PORT, got {value!r}")
-    return host, int(port)
-
-
-def _validate_listeners(s: Settings) -> Settings:
-    if s.listen:
-        host_port(s.listen)
-        missing = [k for k in ("tls_cert", "tls_key", "tls_client_ca") if not getattr(s, k)]
-        if missing:
-            raise InvalidArgument(
-                f"listen {s.listen} needs {', '.join(k.replace('_', '-') for k in missing)} (mutual TLS only)"
-            )
-    if s.health_listen:
-        host_port(s.health_listen, default_host="127.0.0.1", what="health-listen")
-    if s.metrics_listen:
-        host_port(s.metrics_listen, default_host="127.0.0.1", what="metrics-listen")
-    return s
-
-
-# ---- loading -------------------------------------------------------------------
-
-
-def load(path: str | None, overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Defaults, then the YAML file at `path` (if given), then `overrides`.
-
-    An empty file sets nothing. `overrides` uses attribute names
-    (cri_endpoint, ...); None values are ignored so argparse namespaces can
-    be passed through unchanged.
-    """
-    settings = Settings()
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                data = msgspec.yaml.decode(fh.read())
-        except OSError as exc:
-            raise InvalidArgument(f"cannot read config file {path}: {exc.strerror}") from exc
-        except msgspec.DecodeError as exc:
-            raise InvalidArgument(f"config file {path} is not valid YAML: {exc}") from exc
-        settings = msgspec.structs.replace(from_mapping({} if data is None else data), config_file=os.path.abspath(path))
-    if overrides:
-        changes = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(changes) - set(Settings.__struct_fields__)
-        if unknown:
-            raise InvalidArgument(f"unknown settings: {', '.join(sorted(unknown))}")
-        # A flag takes what its key takes.
-        keys = {f.name: f.encode_name for f in msgspec.structs.fields(Document)}
-        given = _decode({keys[k]: v for k, v in changes.items() if k in keys}, Document)
-        changes.update((k, getattr(given, k)) for k in changes if k in keys)
-        settings = msgspec.structs.replace(settings, **changes)
-    return validate(settings)

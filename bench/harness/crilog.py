@@ -15,6 +15,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from bench.harness.base import BenchError, wait_until
+
 _SECONDS_CACHE: dict[str, int] = {}
 
 
@@ -130,14 +132,12 @@ class TickLog:
         """The largest gap from the last tick before `mark()` through the first
         tick after `t_end` (seconds since the epoch). Waits, up to `timeout`,
         for that first tick after `t_end`."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def ticked() -> bool:
             self._read()
-            if any(ts > t_end for ts in self._since):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no tick in {self.path} within {timeout:g}s after the operation")
-            time.sleep(0.01)
+            return any(ts > t_end for ts in self._since)
+
+        wait_until(ticked, timeout, f"a tick in {self.path} after the operation", interval=0.01,
+                   failure=f"no tick in {self.path} within {timeout:g}s after the operation", error=TimeoutError)
         stamps = [] if self._before is None else [self._before]
         inside = 0
         for ts in self._since:
@@ -184,11 +184,12 @@ class ContainerdLog:
 
     def start_ms(self, container_id: str, *, timeout: float = 10.0) -> float | None:
         """StartContainer's duration as containerd logged it; None if it did not."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def logged() -> bool:
             self._read()
-            if container_id in self._starts and container_id in self._ends:
-                return round((self._ends[container_id] - self._starts[container_id]) * 1000, 1)
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+            return container_id in self._starts and container_id in self._ends
+
+        try:
+            wait_until(logged, timeout, f"StartContainer of {container_id[:13]} in containerd's log")
+        except BenchError:
+            return None
+        return round((self._ends[container_id] - self._starts[container_id]) * 1000, 1)

@@ -22,7 +22,7 @@ from typing import Any, Final, Literal
 
 from node_agent import strictjson
 from node_agent.errors import DataLoss, InvalidArgument
-from node_agent.store.sealing import KEY_ID_RE
+from node_agent.names import KEY_ID_RE
 from node_agent.oci import (
     ARTIFACT_TYPE,
     DESCRIPTOR_KEYS,
@@ -32,9 +32,11 @@ from node_agent.oci import (
     OCI_MANIFEST_MEDIA_TYPE,
     Descriptor,
     DescriptorError,
+    DocumentError,
     canonical_json,
     digest_hex,
-    read_descriptor,
+    read_index,
+    read_manifest,
 )
 
 # -- media types and names ----------------------------------------------------------------
@@ -50,10 +52,6 @@ CONFIG_SEALED_MEDIA_TYPE: Final = "application/vnd.node-agent.checkpoint.config.
 # The key id a sealed checkpoint's blobs are sealed under (also in each blob's header).
 KEY_ID_ANNOTATION: Final = "io.node-agent.key-id"
 CREATED_ANNOTATION: Final = "org.opencontainers.image.created"
-
-# Kept for callers of the first store format's names.
-SCHEMA_VERSION: Final = 2
-MEDIA_TYPE: Final = ARTIFACT_TYPE
 
 IDENTITY: Final = "identity"
 ZSTD: Final = "zstd"
@@ -366,26 +364,12 @@ def decode_index(data: bytes, *, error: type[Exception] = DataLoss, what: str = 
     """
     doc = parse_json(data, MAX_INDEX_BYTES, error=error, what=what)
     try:
-        if not isinstance(doc, dict):
-            raise _Invalid("top level is not an object")
-        extra = sorted(set(doc) - _INDEX_KEYS)
-        if extra:
-            raise _Invalid(f"unexpected keys {extra}")
-        if not _is_int(doc.get("schemaVersion")) or doc["schemaVersion"] != 2:
-            raise _Invalid(f"unsupported schemaVersion {doc.get('schemaVersion')!r}")
-        if doc.get("mediaType", OCI_INDEX_MEDIA_TYPE) != OCI_INDEX_MEDIA_TYPE:
-            raise _Invalid(f"unsupported mediaType {doc.get('mediaType')!r}")
-        manifests = doc.get("manifests")
-        if not isinstance(manifests, list):
-            raise _Invalid("manifests is not a list")
-        if len(manifests) > MAX_INDEX_ENTRIES:
-            raise _Invalid(f"{len(manifests)} entries exceeds the limit of {MAX_INDEX_ENTRIES}")
+        try:
+            manifests = read_index(doc, allowed=_INDEX_KEYS, strict_version=True, max_entries=MAX_INDEX_ENTRIES)
+        except DocumentError as exc:
+            raise _Invalid(_index_fault(exc)) from None
         seen: set[str] = set()
-        out: list[dict[str, Any]] = []
         for i, raw in enumerate(manifests):
-            if not isinstance(raw, dict):
-                raise _Invalid(f"manifests[{i}] is not an object")
-            _descriptor(f"manifests[{i}]", raw, exact=False)
             if is_checkpoint_entry(raw):
                 if raw["digest"] in seen:
                     raise _Invalid(f"manifests[{i}]: checkpoint {raw['digest']} is listed twice")
@@ -393,10 +377,20 @@ def decode_index(data: bytes, *, error: type[Exception] = DataLoss, what: str = 
                 if raw.get("mediaType") != OCI_MANIFEST_MEDIA_TYPE:
                     raise _Invalid(f"manifests[{i}]: a checkpoint must be an OCI image manifest")
                 check_annotations(raw.get("annotations", {}))
-            out.append(raw)
-        return out
+        return manifests
     except (_Invalid, InvalidArgument) as exc:
         raise error(f"{what}: {exc}") from exc
+
+
+def _index_fault(exc: DocumentError) -> str:
+    """The index reader's complaint in the store's words."""
+    if exc.field == "keys":
+        return f"unexpected keys {exc.value[1]}" if isinstance(exc.value, tuple) else exc.detail
+    if exc.descriptor is not None and exc.descriptor.field == "object":
+        return f"{exc.where} is not an object"
+    if exc.descriptor is not None:
+        return _descriptor_fault(exc.where, exc.descriptor, exact=False)
+    return exc.detail
 
 
 def is_checkpoint_entry(raw: Mapping[str, Any]) -> bool:
@@ -404,51 +398,40 @@ def is_checkpoint_entry(raw: Mapping[str, Any]) -> bool:
     return raw.get("artifactType") == ARTIFACT_TYPE
 
 
-def _descriptor(where: str, raw: object, *, exact: bool = True) -> Descriptor:
-    try:
-        return read_descriptor(raw, keys="exact" if exact else "required")
-    except DescriptorError as exc:
-        detail = exc.detail
-        if exc.field == "keys" and exact:
-            detail = f"a descriptor has exactly the keys {sorted(DESCRIPTOR_KEYS)}, not {exc.value}"
-        elif exc.field == "keys":
-            detail = f"a descriptor needs the keys {sorted(DESCRIPTOR_KEYS)}"
-        elif exc.field == "size":
-            detail += " is not a non-negative integer"
-        raise _Invalid(f"{where}: {detail}") from None
+def _descriptor_fault(where: str, exc: DescriptorError, *, exact: bool = True) -> str:
+    """A descriptor the reader refused, in the store's words."""
+    detail = exc.detail
+    if exc.field == "keys" and exact:
+        detail = f"a descriptor has exactly the keys {sorted(DESCRIPTOR_KEYS)}, not {exc.value}"
+    elif exc.field == "keys":
+        detail = f"a descriptor needs the keys {sorted(DESCRIPTOR_KEYS)}"
+    elif exc.field == "size":
+        detail += " is not a non-negative integer"
+    return f"{where}: {detail}"
 
 
 def _validate_manifest(doc: object) -> CheckpointManifest:
-    if not isinstance(doc, dict):
-        raise _Invalid("top level is not an object")
-    keys = set(doc)
-    if keys != _MANIFEST_KEYS:
-        missing, extra = sorted(_MANIFEST_KEYS - keys), sorted(keys - _MANIFEST_KEYS)
-        raise _Invalid(f"wrong top-level keys (missing {missing}, unexpected {extra})")
-    if not _is_int(doc["schemaVersion"]) or doc["schemaVersion"] != 2:
-        raise _Invalid(f"unsupported schemaVersion {doc['schemaVersion']!r}")
-    if doc["mediaType"] != OCI_MANIFEST_MEDIA_TYPE:
-        raise _Invalid(f"unsupported mediaType {doc['mediaType']!r}")
-    if doc["artifactType"] != ARTIFACT_TYPE:
-        raise _Invalid(f"unsupported artifactType {doc['artifactType']!r}")
-    config = _descriptor("config", doc["config"])
+    try:
+        read = read_manifest(doc, required=_MANIFEST_KEYS, allowed=_MANIFEST_KEYS, strict_version=True,
+                             artifact_type=lambda kind: kind == ARTIFACT_TYPE)
+    except DocumentError as exc:
+        raise _Invalid(_descriptor_fault(exc.where, exc.descriptor) if exc.descriptor is not None else exc.detail) from None
+    config = read.config
     if config.media_type not in CONFIG_MEDIA_TYPES:
         raise _Invalid(f"config: unsupported mediaType {config.media_type!r}")
     if config.size > MAX_CONFIG_BYTES:
         raise _Invalid(f"config: {config.size} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit")
-    raw_layers = doc["layers"]
-    if not isinstance(raw_layers, list) or not raw_layers:
+    if not read.layers:
         raise _Invalid("layers is not a non-empty list")
-    layers = tuple(_descriptor(f"layers[{i}]", raw) for i, raw in enumerate(raw_layers))
     try:
-        annotations = check_annotations(doc["annotations"])
+        annotations = check_annotations(read.annotations)
     except InvalidArgument as exc:
         raise _Invalid(str(exc)) from None
     if not is_created(annotations.get(CREATED_ANNOTATION)):
         raise _Invalid(f"annotation {CREATED_ANNOTATION} is missing or not an RFC 3339 UTC timestamp")
     if config.media_type == CONFIG_SEALED_MEDIA_TYPE and not KEY_ID_RE.fullmatch(annotations.get(KEY_ID_ANNOTATION, "")):
         raise _Invalid(f"a sealed checkpoint needs the annotation {KEY_ID_ANNOTATION} (a key id)")
-    return CheckpointManifest(config=config, layers=layers, annotations=MappingProxyType(annotations))
+    return CheckpointManifest(config=config, layers=read.layers, annotations=MappingProxyType(annotations))
 
 
 def check_layers(manifest: CheckpointManifest, config: CheckpointConfig) -> None:

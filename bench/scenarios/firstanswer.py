@@ -45,21 +45,22 @@ import os
 import re
 import secrets
 import shutil
-import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
+from bench.harness.base import NOT_STORE, NS_RESTORE, NS_SRC, BenchError, log, wait_until
+from bench.harness.measure import warm
+from bench.harness.ops import Bench
+from bench.report.stats import median
 from node_agent import devshm
 from node_agent.cli.client import Client, pb
 from node_agent.cri import CriClient
+from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 from testbed.bed import NODE_AGENT, container_config, pod_config
-
-if TYPE_CHECKING:
-    from bench.run import Bench
 
 PORT = 8080
 SHM_MIB = 16
@@ -71,16 +72,11 @@ NS_COLD = "bench"
 IMAGE_KINDS = ("model", "debian")
 READY_RE = re.compile(r"weights loaded in ([0-9.]+)s.*warm-up ([0-9.]+)s.*serving on :\d+ ([0-9.]+)s after start")
 CLI_SAMPLES = 5
+SCRATCH = "answer-src"  # under the work dir: the staged plan and /dev/shm of the checkpoint
 
 
-class AnswerError(Exception):
+class AnswerError(BenchError):
     """A failure of the first-answer runs, reported as one line."""
-
-
-def log(msg: str) -> None:
-    import sys
-
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
 def model_image(info: dict[str, Any]) -> str | None:
@@ -122,12 +118,9 @@ def first_answer(ip: str, x: float, timeout: float) -> tuple[float, dict[str, An
         time.sleep(0.005)
 
 
-def median(xs: list[Any]) -> float | None:
-    vals = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
-    return float(statistics.median(vals)) if vals else None
-
-
 class FirstAnswer:
+    """The first-answer runs on the harness's bed, one size (one bed image) after another."""
+
     def __init__(self, bench: Bench) -> None:
         self.bench = bench
 
@@ -208,8 +201,6 @@ class FirstAnswer:
 
     def local(self, src_plan: Path, src_shm: Path, ccfg: dict[str, Any], ref: dict[str, Any], label: str,
               timeout: float) -> dict[str, Any]:
-        from bench.run import NS_RESTORE, warm
-
         name, pcfg, stage = self.bench.stage_bare_plan(src_plan, ccfg, label)
         warm(str(src_plan))
         warm(str(src_shm))
@@ -251,10 +242,7 @@ class FirstAnswer:
     def agent(self, ckpt: str, mode: str, ref: dict[str, Any], label: str, timeout: float,
               keep: bool = False, wait_all_in: bool = True, namespace: str | None = None) -> dict[str, Any]:
         """The agent's Restore with start: `mode` "default" (no lazy option) or "full" (lazy=false),
-        into `namespace` (default bench.run's NS_RESTORE)."""
-        from bench.run import NOT_STORE, NS_RESTORE, warm
-        from node_agent.lazy.source import DONE_FILE, FAILED_FILE
-
+        into `namespace` (default NS_RESTORE)."""
         ns = namespace or NS_RESTORE
         name = f"r-{label}-{secrets.token_hex(3)}"
         warm(self.bench.store, NOT_STORE)
@@ -293,14 +281,16 @@ class FirstAnswer:
                 out["lazy"] = None
             if out["lazy"] and wait_all_in:
                 # Untimed for the answer: the background transfer ends before the next operation starts.
-                deadline = time.monotonic() + timeout
-                while not os.path.exists(os.path.join(plan, DONE_FILE)):
+                def arrived() -> bool:
+                    if os.path.exists(os.path.join(plan, DONE_FILE)):
+                        return True
                     if os.path.exists(os.path.join(plan, FAILED_FILE)):
                         raise AnswerError(f"restore {name}: lazy restore failed: "
                                           f"{Path(plan, FAILED_FILE).read_text()[:300]}")
-                    if time.monotonic() > deadline:
-                        raise AnswerError(f"restore {name}: the pages did not all come in")
-                    time.sleep(0.005)
+                    return False
+
+                wait_until(arrived, timeout, f"every page of {name}", interval=0.005,
+                           failure=f"restore {name}: the pages did not all come in")
                 out["all_in_s"] = round(time.monotonic() - out["m0"], 4)
         finally:
             if not keep:
@@ -313,9 +303,7 @@ class FirstAnswer:
     def source(self, image: str, timeout: float,
                namespace: str | None = None) -> tuple[str, dict[str, Any], dict[str, Any], str]:
         """The source pod, answering: (pod id, container config, its answer for X, container id), in
-        `namespace` (default bench.run's NS_SRC)."""
-        from bench.run import NS_SRC
-
+        `namespace` (default NS_SRC)."""
         ns = namespace or NS_SRC
         name = f"model-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, ns, name)
@@ -367,8 +355,8 @@ class FirstAnswer:
         log(f"model server, {mib} MiB of weights: {runs} interleaved runs of cold / local plan / default / full"
             + (f", then {replicas} replicas" if replicas else ""))
         ckpt = ""
-        src_plan = self.bench.work / "answer-src" / "plan"
-        src_shm = self.bench.work / "answer-src" / "devshm"
+        src_plan = self.bench.work / SCRATCH / "plan"
+        src_shm = self.bench.work / SCRATCH / "devshm"
         shutil.rmtree(src_plan.parent, ignore_errors=True)
         src_plan.parent.mkdir(parents=True)
         out: dict[str, Any] = {"mib": mib, "weights_bytes": ref["weights_bytes"], "source": ref}
@@ -447,3 +435,17 @@ class FirstAnswer:
             res["sizes"][str(one["mib"])] = one
         return res
 
+
+def run(bench: Bench) -> None:
+    """The time-to-first-answer table at each --answer-sizes (results: "answer"), unless --no-answer."""
+    args = bench.args
+    if not args.answer_sizes:
+        bench.results["answer"] = {"skipped": "--no-answer"}
+        return
+    if SCRATCH not in bench.scratch:
+        bench.scratch.append(SCRATCH)
+    bench.op_timeout = max(bench.op_timeout, min(600.0, 120.0 + max(args.answer_sizes) * 0.4))
+    bench.results["answer"] = FirstAnswer(bench).run(args.answer_sizes)
+    skipped = bench.results["answer"].get("skipped")
+    if skipped:
+        log(f"time to first answer: skipped ({skipped})")

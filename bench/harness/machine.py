@@ -1,0 +1,99 @@
+"""What a results file records about the machine, the test bed and the code that ran."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from node_agent.cli.checks import mount_of, mounts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cmd_first_line(argv: list[str]) -> str:
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "not found"
+    if cp.returncode != 0:
+        return "unknown"
+    text = (cp.stdout or cp.stderr).strip()
+    return text.splitlines()[0] if text else "unknown"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _fstype(path: str) -> str:
+    """The filesystem type of the mount ``path`` lies on."""
+    found = mount_of(path, mounts())
+    return found.fstype if found is not None else "unknown"
+
+
+def machine_info(repo: Path) -> dict[str, Any]:
+    cpuinfo = _read("/proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    mem = re.search(r"^MemTotal:\s*(\d+)", _read("/proc/meminfo"), re.M)
+    osrel = re.search(r'^PRETTY_NAME="?([^"\n]+)', _read("/etc/os-release"), re.M)
+    criu_line = _cmd_first_line(["criu", "--version"])
+    ctrd = _cmd_first_line(["containerd", "--version"]).split(" ")
+    zstd = _cmd_first_line(["zstd", "--version"])
+    commit = _cmd_first_line(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"])
+    try:
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=20).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        dirty = False
+    return {
+        "cores": os.cpu_count(),
+        "cpu": model.group(1).strip() if model else platform.machine(),
+        "memory_gib": round(int(mem.group(1)) / 1048576, 1) if mem else None,
+        "kernel": platform.release(),
+        "os": (osrel.group(1) if osrel else "unknown") + (f" ({_read('/etc/debian_version').strip()})"
+                                                          if os.path.exists("/etc/debian_version") else ""),
+        "cgroup": "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1",
+        "containerd": (ctrd[2] if len(ctrd) > 2 else "unknown"),
+        "runc": _cmd_first_line(["runc", "--version"]).removeprefix("runc version "),
+        "criu": criu_line.removeprefix("Version: "),
+        "criu_path": shutil.which("criu") or "",
+        "run_fs": _fstype("/run"),
+        "zstd": (re.findall(r"v\d+\.\d+\.\d+", zstd) or [zstd])[0],
+        "python": platform.python_version(),
+        "node_agent_commit": commit + (" with local changes" if dirty and commit != "unknown" else ""),
+    }
+
+
+def bed_info(info: dict[str, Any]) -> dict[str, Any]:
+    """The test bed's containerd and runc, which `machine_info` cannot know (a bed may run a
+    containerd other than the one on PATH)."""
+    return {
+        "containerd": str(info.get("containerd_version") or "unknown"),
+        "containerd_binary": str(info.get("containerd_binary") or ""),
+        "runc": str(info.get("runc_version") or "unknown"),
+        "runc_binary": str(info.get("runc_binary") or ""),
+    }
+
+
+def tree_digest(root: Path) -> str:
+    """A digest of every Python file of the product (node_agent/, criu_bridge/) as the agent loaded it:
+    the working tree changes under a long benchmark, and the commit alone does not say which code ran."""
+    h = hashlib.sha256()
+    for pkg in ("node_agent", "criu_bridge"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            h.update(str(path.relative_to(root)).encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()[:12]

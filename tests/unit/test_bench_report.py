@@ -1,0 +1,173 @@
+"""The benchmarks' report: docs/benchmarks.md's generated blocks from the committed results, the statistics and
+the targets.
+
+Rendering the docs from bench/results.json, bench/encryption.json and
+bench/image_check.json into a copy of docs/benchmarks.md fills every block,
+changes nothing else, gives the committed file, and a second rendering
+changes nothing. The statistics and targets are checked on small samples
+and against what the committed results recorded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.report import docs, encryption, fmt, image_check, results, stats, targets
+
+BLOCKS = ["latest", "versions", "encryption", "image-check"]
+
+
+def _committed() -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    merged = results.load(results.RESULTS_JSON)
+    assert merged is not None, "bench/results.json holds no results"
+    return merged, encryption.load(), image_check.load()
+
+
+def _outside_blocks(text: str) -> str:
+    return docs.BLOCK.sub(lambda m: f"<!-- block {m.group(1)} -->\n", text)
+
+
+def test_the_docs_render_from_the_committed_results_into_every_block_and_again_to_the_same(tmp_path: Path) -> None:
+    path = tmp_path / "benchmarks.md"
+    shutil.copyfile(docs.DOCS, path)
+    before = path.read_text()
+    assert docs.block_names(before) == BLOCKS
+    merged, enc, img = _committed()
+    docs.write(merged, enc, img, path=path)
+    once = path.read_text()
+    assert docs.block_names(once) == BLOCKS
+    for m in docs.BLOCK.finditer(once):
+        assert m.group(2).strip(), f"block {m.group(1)} is empty"
+    assert _outside_blocks(once) == _outside_blocks(before), "the prose around the blocks changed"
+    assert once == before, "docs/benchmarks.md is not what the committed results render (run bench/run.py --docs-only)"
+    docs.write(merged, enc, img, path=path)
+    assert path.read_text() == once
+
+
+def test_the_blocks_hold_the_figures_of_every_containerd_version_and_each_section() -> None:
+    merged, enc, img = _committed()
+    text = docs.render(docs.DOCS.read_text(), merged, enc, img)
+    blocks = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
+    for run in merged["runs"].values():
+        assert f"| containerd {run['machine']['containerd']} |" in blocks["latest"]
+        assert f"## containerd {run['machine']['containerd']} ({run['date'][:10]})" in blocks["versions"]
+    assert "### Targets" in blocks["encryption"] and "Checked from outside" in blocks["encryption"]
+    assert "| checkpoint | restore call, on |" in blocks["image-check"] and "Reading:" in blocks["image-check"]
+
+
+def test_without_encryption_or_image_check_results_their_blocks_say_so() -> None:
+    merged, _, _ = _committed()
+    text = docs.render(docs.DOCS.read_text(), merged)
+    blocks = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
+    assert blocks["encryption"].strip().startswith("Not measured")
+    assert blocks["image-check"].strip().startswith("Not measured")
+
+
+def test_splice_replaces_only_the_blocks_and_refuses_blocks_it_cannot_fill() -> None:
+    text = "prose 1\n\n<!-- generated: a -->\nold\n<!-- end: a -->\n\nprose 2\n"
+    out = docs.splice(text, {"a": "new\n"})
+    assert out == "prose 1\n\n<!-- generated: a -->\n\nnew\n\n<!-- end: a -->\n\nprose 2\n"
+    assert docs.splice(out, {"a": "new\n"}) == out
+    assert docs.splice(text, {"a": ""}) == "prose 1\n\n<!-- generated: a -->\n<!-- end: a -->\n\nprose 2\n"
+    with pytest.raises(docs.DocsError):
+        docs.splice(text, {"a": "x", "b": "y"})
+    with pytest.raises(docs.DocsError):
+        docs.splice(text, {})
+    with pytest.raises(docs.DocsError):
+        docs.splice("<!-- generated: a -->\nno end\n", {"a": "x"})
+
+
+def test_median_skips_what_is_not_a_number_and_div_and_total_give_none_when_they_cannot() -> None:
+    assert stats.median([3, None, 1, True, 2.0]) == 2.0
+    assert stats.median([None, "x"]) is None
+    assert stats.div(1.0, 4.0) == 0.25
+    assert stats.div(1.0, 0) is None and stats.div(None, 1.0) is None
+    assert stats.total([1, 2.5]) == 3.5
+    assert stats.total([1, None]) is None and stats.total([]) is None and stats.total(None) is None
+
+
+def _single(wall: float, frozen: float, added: int) -> dict[str, Any]:
+    return {
+        "agent": {"size": 100, "wall_s": wall, "frozen_reported_ms": frozen - 1, "frozen_outside_ms": frozen,
+                  "store_added_bytes": added},
+        "bare": {"wall_s": 2 * wall, "frozen_outside_ms": 2 * frozen},
+        "bare_tar_zstd": {"wall_s": 3 * wall, "dump_s": wall, "frozen_outside_ms": 2 * frozen},
+    }
+
+
+def test_summarize_takes_medians_per_size_and_the_first_checkpoint_apart() -> None:
+    raw = {"single": {"64": [_single(1.0, 10, 1000), _single(3.0, 30, 10), _single(2.0, 20, 30)]},
+           "repeat": {"mib": 64, "first": {"added_bytes": 500},
+                      "samples": [{"added_bytes": 4, "size": 100}, {"added_bytes": 6, "size": 100}]},
+           "rss": {"mib": 64, "vm_hwm_kib": 51200, "restarted": True},
+           "native": {"skipped": "--no-native"}, "answer": {"skipped": "--no-answer"}}
+    s = stats.summarize(raw)
+    one = s["single"]["64"]
+    assert one["runs"] == 3 and one["agent_wall_s"] == 2.0 and one["bare_wall_s"] == 4.0
+    assert one["first_added_bytes"] == 1000 and one["ticking_repeat_added_bytes"] == 20.0
+    assert s["repeat"]["added_bytes"] == 5.0 and s["repeat"]["added_fraction"] == 0.05
+    assert s["rss"]["peak_mib"] == 50.0
+    assert s["native_skipped"] == "--no-native" and s["answer_skipped"] == "--no-answer"
+
+
+def test_the_committed_runs_summarize_and_judge_as_they_recorded() -> None:
+    merged, enc, _ = _committed()
+    for run in merged["runs"].values():
+        assert stats.summarize(run["samples"]) == run["summary"]
+    latest = merged["runs"][merged["latest"]]
+    c = latest["config"]
+    judged = targets.targets(latest["summary"], c["target_mib"], c.get("native_target_mib"))
+    assert judged + targets.answer_targets(latest["summary"]) == latest["targets"]
+    if enc is not None:
+        assert [t["key"] for t in enc["targets"]] == ["enc_durable", "enc_frozen", "enc_restore", "enc_answer",
+                                                      "enc_repeat"]
+
+
+def test_a_target_passes_at_or_under_its_limit_and_says_by_how_much() -> None:
+    under = fmt.target("k", "title", "1 vs 2", 0.5, 1.0)
+    assert under["pass"] is True and under["margin_pct"] == -50.0 and fmt.verdict(under) == "PASS (50% under the limit)"
+    at = fmt.target("k", "title", "", 1.0, 1.0)
+    assert at["pass"] is True and fmt.verdict(at) == "PASS (at the limit)"
+    strict = fmt.target("k", "title", "", 1.0, 1.0, strict=True)
+    assert strict["pass"] is False and strict["op"] == "<" and fmt.verdict(strict) == "MISS (at the limit)"
+    over = fmt.target("k", "title", "", 1.2, 1.0)
+    assert over["pass"] is False and fmt.verdict(over) == "MISS (by 20%)"
+    unknown = fmt.target("k", "title", "", None, 1.0)
+    assert unknown["pass"] is None and fmt.verdict(unknown) == "n/a" and fmt.ratio(unknown) == "-"
+    frac = fmt.target("k", "title", "", 0.0123, 0.05, unit="fraction")
+    assert fmt.ratio(frac) == "1.23%" and fmt.limit(frac) == "<= 5%"
+    assert fmt.ratio(fmt.target("k", "t", "", 0.5, 1.0, unit="of 0.3 s")) == "0.50 x 0.3 s"
+
+
+def test_the_first_answer_targets_are_judged_at_the_small_and_the_large_size() -> None:
+    assert targets.answer_sizes({}) == (None, None)
+    assert targets.answer_sizes({"answer": {"64": {}}}) == ("64", None)
+    assert targets.answer_sizes({"answer": {"256": {}, "512": {}, "2048": {}}}) == ("256", "2048")
+    assert targets.answer_sizes({"answer": {"128": {}, "512": {}}}) == ("128", None)
+    assert targets.answer_sizes({"answer": {"128": {}, "1024": {}, "4096": {}}}) == ("128", "4096")
+
+
+def test_encryption_summary_pairs_the_variants_and_judges_their_ratio() -> None:
+    ck = [{"clear": {"wall_s": 2.0}, "encrypted": {"wall_s": 2.2}},
+          {"clear": {"wall_s": 4.0}, "encrypted": {"wall_s": 4.8}}]
+    s = encryption.summary({"mib": 1024, "checkpoint": ck})
+    assert s["checkpoint"]["wall_s"] == {"clear": 3.0, "encrypted": 3.5}
+    durable = next(t for t in encryption.targets(s) if t["key"] == "enc_durable")
+    assert durable["ratio"] == pytest.approx(3.5 / 3.0) and durable["pass"] is False
+    assert durable["limit"] == encryption.LIMIT
+
+
+def test_image_check_summary_is_the_median_of_each_variant() -> None:
+    def row(on: float, off: float) -> dict[str, Any]:
+        return {kind: {"on": {"wall_s": on, "first_tick_s": on}, "off": {"wall_s": off, "first_tick_s": off}}
+                for kind in ("memhog", "tasks")}
+
+    raw = {"samples": [row(1.0, 1.0), row(1.2, 1.0), row(1.1, 1.1)],
+           "check_alone": {"memhog": {"median_ms": 2.0, "tasks": 1}, "tasks": {"median_ms": 9.0, "tasks": 65}}}
+    s = image_check.summary(raw)
+    assert s["memhog"]["on_s"] == 1.1 and s["memhog"]["off_s"] == 1.0 and s["memhog"]["ratio"] == 1.1
+    assert s["tasks"]["check_ms"] == 9.0 and s["tasks"]["check_tasks"] == 65
