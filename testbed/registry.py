@@ -33,10 +33,6 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
 
-# The fake servers' answers live in testbed/httpanswers.py; imported from here as well.
-from testbed.httpanswers import answer as answer
-from testbed.httpanswers import head_bytes as head_bytes
-from testbed.httpanswers import trickle as trickle
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 _HOP_BY_HOP = frozenset({

@@ -18,6 +18,7 @@ from node_agent import errors, signing, transfers
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
 from node_agent.api import convert
+from node_agent.api.status import abort_with, operation_timeout
 from node_agent.admission import parse_checkpoint_options, parse_restore_options
 from node_agent.checkpointing import Checkpointer, CheckpointRequest
 from node_agent.progress import Progress
@@ -32,32 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STATUS = {name: getattr(grpc.StatusCode, name) for name in errors.BY_CODE}
-
-
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """The one place agent errors become gRPC statuses."""
-    if isinstance(exc, errors.AgentError):
-        await context.abort(_STATUS.get(exc.code, grpc.StatusCode.UNKNOWN), str(exc))
-    log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
-
-
-def operation_timeout(context: grpc.aio.ServicerContext) -> float | None:
-    """The operation's own deadline: a little before the caller's.
-
-    The operation then gives up first, and its cleanup begins (a frozen pod
-    is thawed at once) before the caller sees DEADLINE_EXCEEDED on its side.
-    """
-    left = context.time_remaining()
-    if left is None:
-        return None
-    # A quarter of the call's time, at least 50 ms and at most a second, is
-    # left for the cleanup to start (a thaw can take tens of milliseconds).
-    return float(max(left - min(max(left * 0.25, 0.05), 1.0), 0.0))
-
-
-_timeout = operation_timeout
 
 
 class AgentServicer(pb_grpc.NodeAgentServicer):
@@ -120,7 +95,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
                     await task
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CheckpointEvent]:
-        timeout = _timeout(context)
+        timeout = operation_timeout(context)
 
         async def run(progress: Callable[[Progress], None]) -> Any:
             # Parsed here, once: a bad option is this call's answer.
@@ -136,7 +111,7 @@ class AgentServicer(pb_grpc.NodeAgentServicer):
             yield ev
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RestoreEvent]:
-        timeout = _timeout(context)
+        timeout = operation_timeout(context)
 
         async def run(progress: Callable[[Progress], None]) -> Any:
             # Parsed here, once: a bad option is this call's answer.

@@ -41,7 +41,7 @@ from node_agent import errors, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.admission import parse_checkpoint_options, parse_restore_options, require_checkpoint
-from node_agent.api.agent import abort_with
+from node_agent.api.status import abort_with, operation_timeout
 from node_agent.api.cri_proxy import CriProxy, LocalHandler
 from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, RT, PodRestores
 from node_agent.api.unix_sockets import claim_socket
@@ -60,12 +60,6 @@ __all__ = ["ALLOW_HOST_ACCESS", "RESTORE_FAILED", "RESTORE_FROM", "CriEndpoint",
 
 # ContainerStatus.reason of a container whose restore failed (its message says why).
 RESTORE_FAILED = "RestoreFailed"
-
-
-def _timeout(context: grpc.aio.ServicerContext) -> float | None:
-    from node_agent.api.agent import operation_timeout
-
-    return operation_timeout(context)
 
 
 # ---- caller-owned directories -------------------------------------------------
@@ -186,7 +180,7 @@ class CriEndpoint:
     async def checkpoint_pod(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
             req = cri.CheckpointPodRequest.FromString(raw)
-            await self._checkpoint_pod(req, _timeout(context))
+            await self._checkpoint_pod(req, operation_timeout(context))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             await abort_with(context, exc)
         return cri.CheckpointPodResponse().SerializeToString()
@@ -244,7 +238,7 @@ class CriEndpoint:
     async def restore_pod(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
             req = cri.RestorePodRequest.FromString(raw)
-            resp = await self._restore_pod(req, _timeout(context))
+            resp = await self._restore_pod(req, operation_timeout(context))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             await abort_with(context, exc)
             raise  # not reached

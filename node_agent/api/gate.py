@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import grpc
 
 from node_agent import authz
-from node_agent.api.agent import abort_with
+from node_agent.api.status import abort_with
 from node_agent.cri import CriClient
 from node_agent.cri.pods import resolve_pod
 from node_agent.podformat import namespace_of

@@ -40,7 +40,7 @@ from criu_bridge.wrapper import PLAN_ANNOTATION
 from node_agent import devshm, errors, policy, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.admission import RestoreAdmission, RestoreOptions
-from node_agent.api.agent import abort_with
+from node_agent.api.status import abort_with
 from node_agent.api.cri_proxy import CriProxy
 from node_agent.checkpointing import Checkpointer
 from node_agent.cri.client import to_json
