@@ -57,6 +57,30 @@ def _binary_name(runc_binary: str | None, indent: str) -> str:
     return f"{indent}BinaryName = {toml_str(runc_binary)}\n" if runc_binary else ""
 
 
+def _shared_sections(bed: BedLayout) -> str:
+    """The sections versions 2 and 3 write alike: the sockets, debug and metrics
+    off, and the opt plugin's dir; `[plugins]` is left open for the rest."""
+    q = toml_str
+    return f"""\
+[grpc]
+  address = {q(bed.socket)}
+
+[ttrpc]
+  address = {q(bed.ttrpc_socket)}
+
+[debug]
+  address = ""
+  level = "info"
+
+[metrics]
+  address = ""
+
+[plugins]
+  [plugins."io.containerd.internal.v1.opt"]
+    path = {q(bed.opt_dir)}
+"""
+
+
 def containerd_config_v2(bed: BedLayout, runc_binary: str | None = None) -> str:
     q = toml_str
     cri = f"[{plugin_table(CRI)}"
@@ -77,23 +101,7 @@ disabled_plugins = [
   "io.containerd.nri.v1.nri",
 ]
 
-[grpc]
-  address = {q(bed.socket)}
-
-[ttrpc]
-  address = {q(bed.ttrpc_socket)}
-
-[debug]
-  address = ""
-  level = "info"
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = {q(bed.opt_dir)}
-
+{_shared_sections(bed)}
   # Unused, but the tasks service cannot start without it; keep its runc root
   # out of the host-wide /run/containerd/runc.
   [plugins."io.containerd.runtime.v1.linux"]
@@ -163,23 +171,7 @@ disabled_plugins = [
   "io.containerd.differ.v1.erofs",
 ]
 
-[grpc]
-  address = {q(bed.socket)}
-
-[ttrpc]
-  address = {q(bed.ttrpc_socket)}
-
-[debug]
-  address = ""
-  level = "info"
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = {q(bed.opt_dir)}
-
+{_shared_sections(bed)}
   # NRI is on, as in containerd 2.x by default, but on this bed's own socket and
   # plugin dirs instead of the host-wide /var/run/nri/nri.sock and /opt/nri.
   [plugins."io.containerd.nri.v1.nri"]

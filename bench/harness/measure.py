@@ -5,23 +5,35 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from bench.harness.base import NOT_STORE
 
 
+def files_under(root: str, skip: frozenset[str] | set[str] = frozenset()) -> Iterator[str]:
+    """Paths of every file under `root`, but not under its top-level `skip` dirs."""
+    for dirpath, dirs, files in os.walk(root):
+        if dirpath == root:
+            dirs[:] = [d for d in dirs if d not in skip]
+        for f in files:
+            yield os.path.join(dirpath, f)
+
+
+def tree_bytes(root: str, skip: frozenset[str] | set[str] = frozenset()) -> int:
+    """Bytes of every file under `root` (but not under its top-level `skip` dirs)."""
+    total = 0
+    for path in files_under(root, skip):
+        try:
+            total += os.lstat(path).st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def store_usage(store: str) -> int:
     """Bytes of every file of the checkpoint store (blobs, manifests, indexes)."""
-    total = 0
-    for dirpath, dirs, files in os.walk(store):
-        if dirpath == store:
-            dirs[:] = [d for d in dirs if d not in NOT_STORE]
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
+    return tree_bytes(store, NOT_STORE)
 
 
 def proc_status(pid: int, key: str) -> int | None:
@@ -59,16 +71,13 @@ def warm(root: str, skip: frozenset[str] | set[str] = frozenset()) -> int:
     dirs), so an operation that follows finds its data in the page cache."""
     buf = bytearray(8 << 20)
     total = 0
-    for dirpath, dirs, files in os.walk(root):
-        if dirpath == root:
-            dirs[:] = [d for d in dirs if d not in skip]
-        for f in files:
-            try:
-                with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
-                    while n := fh.readinto(buf):
-                        total += n
-            except OSError:
-                pass
+    for path in files_under(root, skip):
+        try:
+            with open(path, "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    total += n
+        except OSError:
+            pass
     return total
 
 
@@ -96,17 +105,6 @@ def read_through(path: str) -> int:
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
             total += n
-    return total
-
-
-def tree_bytes(root: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -156,9 +154,4 @@ def delta(a: float | None, b: float | None) -> float | None:
 
 def store_blobs(store: str) -> set[str]:
     """Paths of every file of the checkpoint store (not its scratch, plans, logs, ...)."""
-    out: set[str] = set()
-    for dirpath, dirs, files in os.walk(store):
-        if dirpath == store:
-            dirs[:] = [d for d in dirs if d not in NOT_STORE]
-        out.update(os.path.join(dirpath, f) for f in files)
-    return out
+    return set(files_under(store, NOT_STORE))

@@ -46,8 +46,6 @@ def ratio(t: dict[str, Any]) -> str:
         return "-"
     if t["unit"] == "fraction":
         return f"{r * 100:.2f}%"
-    if t["unit"] == "of 200 MiB":
-        return f"{r:.2f} x 200 MiB"
     if t["unit"].startswith("of "):
         return f"{r:.2f} x {t['unit'][3:]}"
     return f"{r:.2f}x"
@@ -56,8 +54,6 @@ def ratio(t: dict[str, Any]) -> str:
 def limit(t: dict[str, Any]) -> str:
     if t["unit"] == "fraction":
         return f"{t['op']} {t['limit'] * 100:.0f}%"
-    if t["unit"] == "of 200 MiB":
-        return f"{t['op']} 200 MiB"
     if t["unit"].startswith("of "):
         return f"{t['op']} {t['unit'][3:]}"
     return f"{t['op']} {t['limit']:.2f}x"

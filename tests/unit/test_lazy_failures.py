@@ -39,6 +39,7 @@ from node_agent.lazy.session import LazySession
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replica, Replicas, now_rfc3339
 from node_agent.store import Store
+from testbed.httpanswers import answer
 from test_fault_handler import CHILD, LAZY, PAGE, Restored, mm_image, pagemap_image, restored  # noqa: F401
 
 SANDBOX = "5a" * 32
@@ -66,10 +67,7 @@ class Gated:
             def do_GET(self) -> None:
                 outer.requests.append(self.path)
                 data = outer.blobs.get(self.path.rsplit("/", 1)[-1])
-                self.send_response(200 if data is not None else 404)
-                self.send_header("Content-Length", str(len(data or b"")))
-                self.end_headers()
-                self.wfile.write(data or b"")
+                answer(self, 200 if data is not None else 404, data or b"")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
         self.httpd.daemon_threads = True

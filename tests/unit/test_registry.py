@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from testbed.registry import Registry  # noqa: E402
+from testbed.httpanswers import answer  # noqa: E402
+from testbed.registry import FakeServer, Registry  # noqa: E402
 
 MiB = 1 << 20
 PLAIN = Credentials(plain_http=True)
@@ -511,84 +512,40 @@ def test_unreachable_and_silent_registries(tmp_path: Path) -> None:
 # -- servers the real registry never is ---------------------------------------------------
 
 
-class _Server:
-    """An HTTP server on 127.0.0.1 answering with ``serve(handler)``; records each request's path and Authorization."""
-
-    def __init__(self, serve: Callable[[BaseHTTPRequestHandler], None]) -> None:
-        self.seen: list[tuple[str, str | None]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                outer.seen.append((self.path, self.headers.get("Authorization")))
-                try:
-                    serve(self)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            do_HEAD = do_GET
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-http", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=10)
-
-
-def _send(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-    handler.send_response(status)
-    for name, value in (headers or {}).items():
-        handler.send_header(name, value)
-    if "Content-Length" not in (headers or {}):
-        handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    if handler.command != "HEAD":
-        handler.wfile.write(body)
-
-
-def test_redirected_blobs_get_no_credentials(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]], servers: list[_Server]) -> None:
+def test_redirected_blobs_get_no_credentials(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]], servers: list[FakeServer]) -> None:
     src, cid, files = source
     manifest = src.manifest_bytes(cid)
 
     def cdn(handler: BaseHTTPRequestHandler) -> None:
         digest = handler.path.split("?")[0].rsplit("/", 1)[-1]
         with src.open_blob(digest) as f:
-            _send(handler, 200, f.read(), {"Content-Type": "application/octet-stream"})
+            answer(handler, 200, f.read(), {"Content-Type": "application/octet-stream"})
 
-    servers.append(_Server(cdn))
+    servers.append(FakeServer(cdn))
     cdn_port = servers[0].port
 
     def front(handler: BaseHTTPRequestHandler) -> None:
         if handler.headers.get("Authorization") != Credentials("alice", "pw").basic_header():
-            _send(handler, 401, b"{}", {"WWW-Authenticate": 'Basic realm="front"'})
+            answer(handler, 401, b"{}", {"WWW-Authenticate": 'Basic realm="front"'})
         elif handler.path == "/v2/ckpt/web/manifests/v1":
-            _send(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": cid})
+            answer(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": cid})
         elif "/blobs/" in handler.path:
             digest = handler.path.rsplit("/", 1)[-1]
-            _send(handler, 307, b"", {"Location": f"http://127.0.0.1:{cdn_port}/cdn/{digest}?signature=abc"})
+            answer(handler, 307, b"", {"Location": f"http://127.0.0.1:{cdn_port}/cdn/{digest}?signature=abc"})
         else:
-            _send(handler, 404)
+            answer(handler, 404)
 
-    servers.append(_Server(front))
+    servers.append(FakeServer(front))
     dst = Store(tmp_path / "dest-store")
     report = pull(dst, f"127.0.0.1:{servers[1].port}/ckpt/web:v1", Credentials("alice", "pw", plain_http=True))
     assert report.checkpoint_id == cid
     _assert_same(src, dst, cid, files, tmp_path)
-    assert servers[0].seen and all(auth is None for _, auth in servers[0].seen)
-    assert all(path.endswith("?signature=abc") for path, _ in servers[0].seen)
+    assert servers[0].seen
+    assert all("authorization" not in (name.lower() for name in headers) for _, _, headers in servers[0].seen)
+    assert all(target.endswith("?signature=abc") for _, target, _ in servers[0].seen)
 
 
-def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]], servers: list[_Server]) -> None:
+def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]], servers: list[FakeServer]) -> None:
     src, cid, _ = source
     manifest = src.manifest_bytes(cid)
     order = _blobs(src, cid)
@@ -599,7 +556,7 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
     def hostile(handler: BaseHTTPRequestHandler) -> None:
         path = handler.path
         if path == "/v2/ckpt/web/manifests/huge":
-            _send(handler, 200, b"", {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Content-Length": str(17 * MiB)})
+            answer(handler, 200, b"", {"Content-Type": OCI_MANIFEST_MEDIA_TYPE, "Content-Length": str(17 * MiB)})
         elif path == "/v2/ckpt/web/manifests/endless":
             handler.send_response(200)
             handler.send_header("Content-Type", OCI_MANIFEST_MEDIA_TYPE)
@@ -609,7 +566,7 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
             for _ in range(20):
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
         elif path.startswith("/v2/ckpt/web/manifests/"):
-            _send(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE})
+            answer(handler, 200, manifest, {"Content-Type": OCI_MANIFEST_MEDIA_TYPE})
         elif path.startswith("/v2/ckpt/web/blobs/"):
             digest = path.rsplit("/", 1)[-1]
             with src.open_blob(digest) as f:
@@ -619,16 +576,16 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
                 if mode == "longer":
                     data += b"extra"
                 elif mode == "shorter":
-                    _send(handler, 200, data[: len(data) // 2], {"Content-Length": str(len(data))})
+                    answer(handler, 200, data[: len(data) // 2], {"Content-Length": str(len(data))})
                     handler.close_connection = True
                     return
                 elif mode == "corrupt":
                     data = bytes([data[0] ^ 1]) + data[1:]
-            _send(handler, 200, data)
+            answer(handler, 200, data)
         else:
-            _send(handler, 404)
+            answer(handler, 404)
 
-    servers.append(_Server(hostile))
+    servers.append(FakeServer(hostile))
     host = f"127.0.0.1:{servers[0].port}"
     dst = Store(tmp_path / "dest-store")
     with pytest.raises(ResourceExhausted):
