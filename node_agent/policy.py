@@ -147,6 +147,9 @@ def describe(settings: Settings) -> list[str]:
         or "none (a Pod restores only checkpoints of its own namespace)"))
     out.append("restore.pod-registries: " + (", ".join(r.pod_registries)
                                              or "none (registry references in restore-from are refused)"))
+    out.append("restore.pod-credentials (the node's registry logins for restore-from): " + (
+        "; ".join(f"in {t}: {', '.join(r.pod_credentials[t]) or 'none'}" for t in sorted(r.pod_credentials))
+        or "none (Pods pull without the node's logins)"))
     out.append("restore.pod-host-access-namespaces: " + (", ".join(r.pod_host_access_namespaces) or "none"))
     out.append("restore.allow-foreign: " + ("true" if r.allow_foreign else
                                             "false (checkpoints imported from CRI-O, Podman or containerd "

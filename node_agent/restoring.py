@@ -36,7 +36,7 @@ from criu_bridge import locks
 from criu_bridge.errors import RuntimeFailure
 from criu_bridge.rpc import CriuClient
 from criu_bridge.wrapper import LOCKS_FILE, PLAN_ANNOTATION, PLAN_FILE
-from node_agent import devshm, errors, hostaccess, podformat, runtime_handler
+from node_agent import devshm, errors, hostaccess, podformat, podimages, runtime_handler
 from node_agent.admission import RestoreAdmission, RestoreOptions, admit
 from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
@@ -244,15 +244,19 @@ class Restorer:
         """
         return await asyncio.to_thread(admit, self.settings, source or self.store, record, saved, namespace, where)
 
-    async def preflight(self, record: CheckpointRecord, saved: SavedPod, source: Store | None = None) -> None:
+    async def preflight(self, record: CheckpointRecord, saved: SavedPod, source: Store | None = None, *,
+                        images: bool = True) -> None:
+        """What must hold before anything is made: the images (with `images`), free space, the CPU's features.
+
+        A restore no kubelet precedes (the CLI, the API) pulls an image the
+        node lacks itself (`podimages.ensure_image`). The Pod path passes
+        `images=False`: there the kubelet pulls each container's image after
+        RunPodSandbox, and CreateContainer checks it (`podimages.check_image`).
+        """
         for cname, cfg, _ in saved.containers:
-            image = str((cfg["config"].get("image") or {}).get("image") or cfg.get("rootfsImageName") or "")
-            if not image:
-                raise errors.DataLoss(f"checkpoint {record.id}: container {cname} names no image")
-            if not await self.cri.image_present(image):
-                raise errors.FailedPrecondition(
-                    f"restore of {record.id}: image {image} (container {cname}) is not present on this node"
-                )
+            image = podimages.saved_image(record, cname, cfg)
+            if images:
+                await podimages.ensure_image(self.cri, self.settings, record, cname, image)
         os.makedirs(self.settings.plans_dir, mode=0o700, exist_ok=True)
         st = os.statvfs(self.settings.plans_dir)
         free = st.f_bavail * st.f_frsize

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
+import msgspec
+
 from node_agent.cri import CriClient
+from testbed.layout import BedLayout
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -125,6 +128,20 @@ class Bed:
             return ""
 
 
+def merged_yaml(base: str, extra: str) -> str:
+    """``base`` with ``extra``'s keys added, sections (mappings) merged key by key; ``extra`` wins a clash."""
+
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out = dict(a)
+        for key, value in b.items():
+            old = out.get(key)
+            out[key] = merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+        return out
+
+    doc = merge(msgspec.yaml.decode(base.encode()) or {}, msgspec.yaml.decode(extra.encode()) or {})
+    return msgspec.yaml.encode(doc).decode()
+
+
 @contextlib.contextmanager
 def reconfigured(bed: Bed, extra: str, *, trust: str = "") -> Iterator[Bed]:
     """The bed's agent restarted with `extra` (YAML keys the config does not have yet) appended to its
@@ -137,7 +154,7 @@ def reconfigured(bed: Bed, extra: str, *, trust: str = "") -> Iterator[Bed]:
     original = config.read_text()
     before = os.environ.get("SSL_CERT_FILE")
     bed.stop_agent()
-    config.write_text(original + extra)
+    config.write_text(merged_yaml(original, extra))
     try:
         if trust:
             os.environ["SSL_CERT_FILE"] = trust
@@ -199,6 +216,8 @@ def bring_up(name: str, workdir: Path, containerd: str | None = CONTAINERD2, han
             f"cri-endpoint: {endpoint}", f"socket: {sock}", f"store: {store}", f"runc-root: {runc_root}",
             "runtime-handler: criu", "log-level: debug", f"cri-listen: unix://{cri_sock}",
             *([f"runc: {runc}"] if runc else []),
+            # The registry hosts the bed's containerd reads; logins only where a test writes them.
+            "registry:", f"  config-path: {BedLayout(name).hosts_dir}", f"  credentials-file: {workdir / 'config.json'}",
         ]) + "\n"
     )
     extra: list[str] = []

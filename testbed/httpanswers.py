@@ -1,13 +1,25 @@
-"""Answers of the fake HTTP servers tests run (testbed/registry.py's FakeServer): whole, raw, or trickled.
+"""The fake HTTP servers tests run (``FakeServer``: a registry, a token server or a CDN that the real
+registry never is) and their answers: whole, raw, or trickled.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import ssl
 import threading
-from collections.abc import Mapping
-from http.server import BaseHTTPRequestHandler
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Protocol
+
+
+class ServerTLS(Protocol):
+    """What serves HTTPS (testbed/registry.py's ``Certificates``)."""
+
+    def server_context(self) -> ssl.SSLContext: ...
 
 
 def answer(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
@@ -37,3 +49,74 @@ def trickle(handler: BaseHTTPRequestHandler, data: bytes, stopping: threading.Ev
         if stopping.wait(interval):
             break
     handler.close_connection = True
+
+
+class FakeServer:
+    """A small HTTP/1.1 server on a loopback address playing a registry, a token server or a CDN.
+
+    ``serve(handler)`` answers every request (any method); ``seen`` records
+    each one as ``(method, target, headers)``, the target with its query.
+    ``stopping`` (given, or its own) is set when the server closes, so that
+    an answer that takes its time (``trickle``) ends with it. ``tls`` serves HTTPS with the test
+    CA's certificate for 127.0.0.1 and localhost; ``rcvbuf`` shrinks the
+    receive buffer of accepted connections (a peer that reads slowly).
+    """
+
+    def __init__(
+        self,
+        serve: Callable[[BaseHTTPRequestHandler], None],
+        *,
+        host: str = "127.0.0.1",
+        tls: ServerTLS | None = None,
+        rcvbuf: int = 0,
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.stopping = stopping or threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.seen.append((self.command, self.path, dict(self.headers.items())))
+                try:
+                    serve(self)
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLError):
+                    self.close_connection = True
+
+            do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def server_bind(self) -> None:
+                # Not HTTPServer's: it looks the address up in DNS (127.0.0.2 has no name).
+                if rcvbuf:
+                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = host, int(self.server_address[1])
+
+        self._httpd = Server((host, 0), Handler)
+        if tls is not None:
+            self._httpd.socket = tls.server_context().wrap_socket(self._httpd.socket, server_side=True)
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self.netloc = f"{host}:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-fake-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -20,14 +20,14 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import re
 import socket
-import socketserver
 import ssl
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
@@ -58,6 +58,9 @@ def _openssl(*args: str, cwd: Path, stdin: bytes | None = None) -> bytes:
 
 def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+_WRITTEN = re.compile(r"http\.response\.written=(\d+)")
 
 
 class Certificates:
@@ -300,8 +303,10 @@ class Registry:
         grants: Mapping[str, set[str]] | None = None,
         certs: Certificates | None = None,
         separate_token_server: bool = False,
+        proxy: str = "",
     ) -> None:
         self.workdir = workdir
+        self.proxy = proxy
         self.users = dict(users or {})
         self.tls = tls
         self.token = token
@@ -396,6 +401,10 @@ class Registry:
             "http": http_section,
             "health": {"storagedriver": {"enabled": False}},
         }
+        if self.proxy:
+            # A pull-through cache of another registry (distribution's proxy mode): read-only, it fetches
+            # what it lacks from `remoteurl` and keeps it.
+            config["proxy"] = {"remoteurl": self.proxy}
         if self.token:
             assert self.token_server is not None and self.certs is not None
             config["auth"] = {
@@ -496,6 +505,24 @@ class Registry:
                 time.sleep(0.05)
         return False
 
+    def blob_bytes_served(self, digests: Collection[str] | None = None) -> int:
+        """Bytes of blob bodies this registry has sent so far (GET .../blobs/...; of ``digests`` only, when
+        given), from its log."""
+        total = 0
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return 0
+        for line in lines:
+            if "response completed" not in line or 'http.request.method=GET' not in line or "/blobs/" not in line:
+                continue
+            if digests is not None and not any(f"/blobs/{d}" in line for d in digests):
+                continue
+            written = _WRITTEN.search(line)
+            if written:
+                total += int(written.group(1))
+        return total
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -519,74 +546,3 @@ class Registry:
         if self.token_server is not None:
             self.token_server.stop()
             self.token_server = None
-
-
-class FakeServer:
-    """A small HTTP/1.1 server on a loopback address playing a registry, a token server or a CDN.
-
-    ``serve(handler)`` answers every request (any method); ``seen`` records
-    each one as ``(method, target, headers)``, the target with its query.
-    ``stopping`` (given, or its own) is set when the server closes, so that
-    an answer that takes its time (``trickle``) ends with it. ``tls`` serves HTTPS with the test
-    CA's certificate for 127.0.0.1 and localhost; ``rcvbuf`` shrinks the
-    receive buffer of accepted connections (a peer that reads slowly).
-    """
-
-    def __init__(
-        self,
-        serve: Callable[[BaseHTTPRequestHandler], None],
-        *,
-        host: str = "127.0.0.1",
-        tls: Certificates | None = None,
-        rcvbuf: int = 0,
-        stopping: threading.Event | None = None,
-    ) -> None:
-        self.seen: list[tuple[str, str, dict[str, str]]] = []
-        self.stopping = stopping or threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                outer.seen.append((self.command, self.path, dict(self.headers.items())))
-                try:
-                    serve(self)
-                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLError):
-                    self.close_connection = True
-
-            do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def server_bind(self) -> None:
-                # Not HTTPServer's: it looks the address up in DNS (127.0.0.2 has no name).
-                if rcvbuf:
-                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = host, int(self.server_address[1])
-
-        self._httpd = Server((host, 0), Handler)
-        if tls is not None:
-            self._httpd.socket = tls.server_context().wrap_socket(self._httpd.socket, server_side=True)
-        self.host = host
-        self.port = int(self._httpd.server_address[1])
-        self.netloc = f"{host}:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-fake-http", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=10)
-
-    def __enter__(self) -> FakeServer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()

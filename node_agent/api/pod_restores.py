@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, policy, runtime_handler
+from node_agent import devshm, errors, podimages, policy, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.admission import RestoreAdmission, RestoreOptions
 from node_agent.api.status import abort_with
@@ -180,7 +180,7 @@ class PodRestores:
             # The rules a pull has not already applied to this checkpoint.
             await asyncio.to_thread(admission.admit, self.restorer.store, record, saved)
             admission.check_host_access(record, saved)
-            await self.restorer.preflight(record, saved)
+            await self.restorer.preflight(record, saved, images=False)  # the kubelet pulls them later
             await runtime_handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
             await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
@@ -254,9 +254,13 @@ class PodRestores:
             admission.admit(pulled, pulled.record, got)
             admission.check_host_access(pulled.record, got)
 
+        # The node's logins go only where restore.pod-credentials lets this namespace's Pods use them:
+        # otherwise whoever may create a Pod pulls with them whatever they can name.
+        logins = self.settings.restore.pod_credentials
+        node_logins = listed(ref, (*logins.get(namespace, ()), *logins.get("*", ())))
         report = await asyncio.to_thread(lambda: pull(
             self.store, ref, Credentials(), settings=self.settings.registry,
-            min_free_bytes=self.settings.min_free_bytes, admit=admit))
+            min_free_bytes=self.settings.min_free_bytes, admit=admit, node_logins=node_logins))
         record = await asyncio.to_thread(self.store.get, report.checkpoint_id)
         saved = await asyncio.to_thread(load_saved, self.store, record)
         outside = self._outside(record, saved, namespace)
@@ -296,6 +300,9 @@ class PodRestores:
                 return await self._forward_create(raw, context)
             try:
                 record = await asyncio.to_thread(self.store.get, st.checkpoint)
+                # The kubelet pulled the container's image just now: it must be the checkpoint's own.
+                saved = await asyncio.to_thread(load_saved, self.store, record)
+                await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
                 if not os.path.isdir(st.staging):  # dropped after timeouts.pod-staging: read and verified again
                     os.makedirs(st.staging, mode=0o700)
                     await asyncio.to_thread(self.restorer.unpack, record, st.staging)

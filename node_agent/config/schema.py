@@ -168,6 +168,16 @@ class RegistrySettings(_Section, frozen=True):
     # disk) keeps the blobs it brought, so that running it again resumes;
     # garbage collection takes them afterwards. 0: until the next collection.
     partial_pull_ttl: NonNegative = 86400.0
+    # Blobs one push or pull moves at once, each lane on kept-alive
+    # connections of its own (1: one blob after another).
+    connections: AtLeastOne = 8
+    # containerd's registry hosts directory (its CRI `config_path`; several
+    # roots separated by ':'): mirrors, CAs, client certificates and headers
+    # per registry host, read as containerd reads them. Empty: none.
+    config_path: str = "/etc/containerd/certs.d"
+    # The node's registry logins, in docker config.json format (the
+    # kubelet's own by default), matched as the kubelet matches them. Empty: none.
+    credentials_file: str = "/var/lib/kubelet/config.json"
 
     def as_mapping(self) -> dict[str, Any]:
         """The `registry:` section that `parse_registry` reads back into these settings."""
@@ -242,6 +252,10 @@ class RestoreRules(_Section, frozen=True):
     # Registries (`host[:port]`) or repositories (`host[:port]/path`) a Pod's
     # annotation may name; empty: registry references are refused.
     pod_registries: tuple[str, ...] = ()
+    # Per target namespace ("*": any), the registries or repositories
+    # (entries of pod-registries) whose node logins (registry.credentials-file)
+    # its Pods' restores may use; a reference elsewhere is pulled without them.
+    pod_credentials: NameGroups = field(default_factory=NameGroups)
     # Namespaces whose Pods may allow host access by annotation.
     pod_host_access_namespaces: tuple[str, ...] = ()
     # When the kubelet creates a container again in a pod whose restore of

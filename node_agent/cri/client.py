@@ -228,8 +228,21 @@ class CriClient:
     # ---- images ------------------------------------------------------------
 
     async def image_present(self, image: str) -> bool:
-        r = await self._call(f"ImageStatus {image}", self._img.ImageStatus, cri.ImageStatusRequest(image=cri.ImageSpec(image=image)))
-        return bool(r.image.id)
+        return bool((await self.image_ids(image))[0])
+
+    async def image_ids(self, image: str) -> tuple[str, tuple[str, ...]]:
+        """The image's ID on this node (``sha256:...``; "" when it is not here) and its repo digests."""
+        r = await self._call(f"ImageStatus {image}", self._img.ImageStatus,
+                             cri.ImageStatusRequest(image=cri.ImageSpec(image=image)))
+        return str(r.image.id), tuple(str(d) for d in r.image.repo_digests)
+
+    async def pull_image(self, image: str, *, username: str = "", password: str = "",
+                         timeout: float | None = None) -> str:
+        """PullImage, with a login when given (as the kubelet sends the node's): the image's reference."""
+        auth = cri.AuthConfig(username=username, password=password) if username else None
+        r = await self._call(f"PullImage {image}", self._img.PullImage,
+                             cri.PullImageRequest(image=cri.ImageSpec(image=image), auth=auth), timeout)
+        return str(r.image_ref)
 
 
 M = TypeVar("M", bound=Message)

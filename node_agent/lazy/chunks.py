@@ -36,8 +36,10 @@ class ChunkCache:
 
     def __init__(
         self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
-        fetch: Callable[[Chunk], None] | None = None,
+        fetch: Callable[[Chunk], None] | None = None, read_ahead: int = READ_AHEAD,
     ) -> None:
+        self.read_ahead = max(READ_AHEAD, read_ahead)
+        self.keep = max(CACHE_CHUNKS, 2 * self.read_ahead)
         self.chunks = chunks
         self.fetch = fetch
         self.checkpoint_id = checkpoint_id
@@ -66,7 +68,7 @@ class ChunkCache:
             if fut is None or fut.cancelled():
                 fut = self.pool.submit(self._load, index)
                 self.cache[index] = fut
-                while len(self.cache) > CACHE_CHUNKS:
+                while len(self.cache) > self.keep:
                     self.cache.popitem(last=False)
             else:
                 self.cache.move_to_end(index)
@@ -94,7 +96,7 @@ class ChunkCache:
             except CancelledError:
                 continue  # another reader took it over: wait for that one
         if ahead:
-            for later in range(index + 1, min(index + 1 + READ_AHEAD, len(self.entry.chunks))):
+            for later in range(index + 1, min(index + 1 + self.read_ahead, len(self.entry.chunks))):
                 self._future(later)
         return data
 
@@ -102,7 +104,7 @@ class ChunkCache:
         """Start reading the chunks from ``offset`` on (before anyone asks for them)."""
         if 0 <= offset < self.entry.size:
             index = bisect.bisect_right(self.offsets, offset) - 1
-            for ahead in range(index, min(index + READ_AHEAD, len(self.entry.chunks))):
+            for ahead in range(index, min(index + self.read_ahead, len(self.entry.chunks))):
                 self._future(ahead)
 
     def _check(self, offset: int, size: int) -> None:

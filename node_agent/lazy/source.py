@@ -79,12 +79,16 @@ class Source:
 
     def __init__(
         self, store: Store, checkpoint_id: str, container: str, images: str, origin: dict[str, object] | None = None,
+        lanes: int = 1,
     ) -> None:
+        """``lanes``: how many chunks may be fetched from ``origin`` at once (``registry.connections``): the
+        reads ahead of the stream keep that many in flight."""
         record = store.held(checkpoint_id)  # the agent handed this process a hold on it
         self.checkpoint_id = record.id
         self.images = images
         self.maps = pagemap.load_dir(images)
-        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="page-source")
+        ahead = lanes if origin is not None else 1
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2, ahead), thread_name_prefix="page-source")
         self.files: dict[int, ChunkCache] = {}
         self.total = 0
         for task, pm in self.maps.items():
@@ -92,7 +96,8 @@ class Source:
             entry = record.entry(path)
             if entry.size != pm.pages_size:
                 raise SourceError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-            self.files[task] = ChunkCache(store.chunks, record.id, entry, self.pool, store.origins.fetch_for(record.id, origin))
+            self.files[task] = ChunkCache(store.chunks, record.id, entry, self.pool,
+                                          store.origins.fetch_for(record.id, origin), read_ahead=ahead)
             self.total += pm.lazy_pages
 
     def close(self) -> None:
@@ -282,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         registry = config.get("registry")
         retry_for = config.get("lazy_fetch")
+        settings = parse_registry(registry) if isinstance(registry, dict) else None
         store.origins.fetcher = RemoteBlobs(
-            store, passwords=passwords, settings=parse_registry(registry) if isinstance(registry, dict) else None,
+            store, passwords=passwords, settings=settings,
             retry_for=float(retry_for) if isinstance(retry_for, (int, float)) and not isinstance(retry_for, bool)
             else 60.0)
         origin = config.get("origin")
         if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):
             origin = None
-        source = Source(store, args.checkpoint, args.container, args.images, origin)
+        source = Source(store, args.checkpoint, args.container, args.images, origin,
+                        lanes=settings.connections if settings is not None else 1)
         try:
             conn = accept_restore(listener, args.start_timeout)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,18 @@ TokenFetcher = Callable[[str, list[tuple[str, str]], str | None], bytes]
 """``(realm, query, authorization or None) -> body``: GET the realm; raises on failure."""
 
 
+_TokenKey = tuple[str, str, tuple[str, ...]]  # realm, service, scopes
+
+
+class TokenCache:
+    """Bearer tokens by (user, realm, service, scopes), shared by the sessions of one transfer (its lanes),
+    so that one token serves them all; one token is fetched at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.tokens: dict[tuple[str, _TokenKey], _Token] = {}
+
+
 class Authenticator:
     """Answers a registry's challenges for one repository and remembers what worked.
 
@@ -171,6 +184,7 @@ class Authenticator:
         fetch: TokenFetcher,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tokens: TokenCache | None = None,
     ) -> None:
         self.registry = registry
         self.repository = repository
@@ -180,19 +194,22 @@ class Authenticator:
         self._fetch = fetch
         self._clock = clock
         self._basic = False
-        self._tokens: dict[tuple[str, str, tuple[str, ...]], _Token] = {}
-        self._current: tuple[str, str, tuple[str, ...]] | None = None
+        self._cache = tokens or TokenCache()
+        self._current: _TokenKey | None = None
         self.tokens_fetched = 0
+
+    def _cached(self, key: _TokenKey) -> _Token | None:
+        """A token for ``key`` that has not expired, this session's or another lane's."""
+        token = self._cache.tokens.get((self.creds.username, key))
+        return token if token is not None and token.expires > self._clock() else None
 
     def header(self) -> str | None:
         """The ``Authorization`` value to send to the registry now, if any."""
         if self._current is not None:
-            token = self._tokens.get(self._current)
-            if token is not None and token.expires > self._clock():
-                return "Bearer " + token.value
-            if token is not None:
+            with self._cache.lock:
+                token = self._cached(self._current)
                 # Expired: fetch a fresh one for the same scopes before sending.
-                return "Bearer " + self._fetch_token(self._current)
+                return "Bearer " + (token.value if token is not None else self._fetch_token(self._current))
         if self._basic:
             return self.creds.basic_header()
         return None
@@ -230,7 +247,7 @@ class Authenticator:
         service = challenge.params.get("service", "")
         scopes: list[str] = []
         for scope in challenge.params.get("scope", "").split(" "):
-            if scope and _SAFE_PARAM.fullmatch(scope) and scope not in scopes:
+            if scope and _SAFE_PARAM.fullmatch(scope) and scope not in scopes and not self._covers(scope):
                 scopes.append(scope)
         if self.intent not in scopes:
             scopes.append(self.intent)
@@ -244,11 +261,21 @@ class Authenticator:
                     f"{self._what()}: user {self.creds.username!r} may not {self.actions.replace(',', ' and ')} here"
                 )
             raise Unauthenticated(f"{self._what()}: the registry rejected the token issued by {realm}")
-        self._tokens.pop(key, None)
-        self._fetch_token(key)
+        with self._cache.lock:
+            token = self._cached(key)
+            if token is None or sent == "Bearer " + token.value:  # none yet, or the very one refused: a new one
+                self._fetch_token(key)
         self._current = key
 
-    def _fetch_token(self, key: tuple[str, str, tuple[str, ...]]) -> str:
+    def _covers(self, scope: str) -> bool:
+        """Whether the whole operation's scope already grants ``scope`` (the same repository, fewer actions): then
+        one token serves every request of the operation, whichever scope a challenge named."""
+        kind, _, rest = scope.partition(":")
+        name, _, actions = rest.rpartition(":")
+        return (kind == "repository" and name == self.repository
+                and set(actions.split(",")) <= set(self.actions.split(",")))
+
+    def _fetch_token(self, key: _TokenKey) -> str:
         realm, service, scopes = key
         query: list[tuple[str, str]] = []
         if service:
@@ -261,5 +288,5 @@ class Authenticator:
         value, lifetime = parse_token_response(body, realm)
         self.tokens_fetched += 1
         margin = min(10.0, lifetime / 4)
-        self._tokens[key] = _Token(value, self._clock() + lifetime - margin)
+        self._cache.tokens[(self.creds.username, key)] = _Token(value, self._clock() + lifetime - margin)
         return value

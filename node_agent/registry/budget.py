@@ -16,6 +16,8 @@ reference, the sizes and the setting.
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Sequence
 from typing import Final, Protocol
 
@@ -37,7 +39,10 @@ class Space(Protocol):
 
 
 class PullBudget:
-    """What one pull may still bring in; ``plan`` before its blobs, ``charge`` for each piece received."""
+    """What one pull may still bring in; ``plan`` before its blobs, ``charge`` for each piece received.
+
+    ``charge`` and ``refund`` may be called from several threads at once (blobs fetched in parallel).
+    """
 
     def __init__(self, store: Space, reference: str, *, max_bytes: int, min_free: int) -> None:
         self._store = store
@@ -49,6 +54,7 @@ class PullBudget:
         self.missing = 0  # of those, the bytes the store lacked when planned
         self.written = 0  # bytes received so far
         self._credit = 0  # bytes that may come before the free space is read again
+        self._lock = threading.Lock()
 
     def plan(self, blobs: Sequence[tuple[str, int]], what: str) -> None:
         """Add ``blobs`` ((digest, size) pairs, each once) to what the pull brings; ResourceExhausted if over a bound.
@@ -69,14 +75,21 @@ class PullBudget:
 
     def charge(self, n: int) -> None:
         """Count ``n`` more bytes received, before they are written; ResourceExhausted if over a bound."""
-        if self.written + n > self._max:
-            raise ResourceExhausted(
-                f"pull of {self._reference}: more than registry.max-pull-bytes ({self._max} bytes) received"
-            )
-        self.written += n
-        self._credit -= n
-        if self._credit < 0:
-            self._look("the rest")
+        with self._lock:
+            if self.written + n > self._max:
+                raise ResourceExhausted(
+                    f"pull of {self._reference}: more than registry.max-pull-bytes ({self._max} bytes) received"
+                )
+            self.written += n
+            self._credit -= n
+            if self._credit < 0:
+                self._look("the rest")
+
+    def refund(self, n: int) -> None:
+        """Give back ``n`` bytes counted for a blob whose transfer failed (and that is fetched again)."""
+        with self._lock:
+            self.written -= n
+            self._credit += n
 
     def _look(self, what: str) -> None:
         """Read the free space: what is still to come must leave ``min-free-bytes`` free."""

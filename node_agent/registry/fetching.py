@@ -18,21 +18,22 @@ verification, or an answer that says no (401, 403, 404), is not retried.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from node_agent.registry.auth import Credentials
+from node_agent.registry.auth import Credentials, TokenCache
+from node_agent.registry.endpoints import RegistryAccess, Route
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobSink, Record
 from node_agent.registry.pulling import _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
-from node_agent.registry.transport import Session
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def repository_key(reference: str) -> str:
 
 
 class RemoteBlobs:
-    """A store's fetcher (`Origins.fetcher`): one kept-alive session per origin, one fetch at a time each.
+    """A store's fetcher (`Origins.fetcher`): up to ``registry.connections`` fetches at once per origin, each on
+    a route (kept-alive connections) of its own, given back for the next fetch.
 
     Passwords come from ``passwords`` (by ``registry/repository``), held in
     memory by whoever pulled; an origin without one is fetched with its
@@ -92,27 +94,49 @@ class RemoteBlobs:
         self.timeout = timeout
         self.settings = settings
         self.retry_for = retry_for
-        self._sessions: dict[str, tuple[Session, threading.Lock]] = {}
-        self._lock = threading.Lock()
+        self._idle: dict[str, list[Route]] = {}  # reference -> routes not in use
+        self._open: dict[str, int] = {}  # reference -> routes made (in use or idle)
+        self._tokens: dict[str, TokenCache] = {}  # reference -> the bearer tokens its routes share
+        self._lock = threading.Condition()
         self.fetched = 0
 
     def remember_password(self, reference: str, password: str) -> None:
         """Keep ``password`` in memory for the chunks later fetched from ``reference``'s repository."""
         self.passwords[repository_key(reference)] = password
 
-    def _session(self, origin: Mapping[str, Any]) -> tuple[Session, threading.Lock]:
+    @contextlib.contextmanager
+    def _route(self, origin: Mapping[str, Any]) -> Iterator[Route]:
+        """A route to ``origin`` for one fetch: an idle one, a new one while fewer than ``connections`` are open,
+        or else the next one given back."""
         reference = str(origin["reference"])
+        lanes = (self.settings or RegistrySettings()).connections
         with self._lock:
-            found = self._sessions.get(reference)
-            if found is None:
-                ref = parse_reference(reference)
-                if ref.digest is None:
-                    raise InvalidArgument(f"origin {reference} is not pinned by digest")
-                creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
-                session = Session(ref, creds, timeout=self.timeout, settings=self.settings, actions="pull")
-                found = (session, threading.Lock())
-                self._sessions[reference] = found
-            return found
+            while True:
+                idle = self._idle.setdefault(reference, [])
+                if idle:
+                    route = idle.pop()
+                    break
+                if self._open.get(reference, 0) < lanes:
+                    route = self._new_route(origin, reference)
+                    self._open[reference] = self._open.get(reference, 0) + 1
+                    break
+                self._lock.wait()
+        try:
+            yield route
+        finally:
+            with self._lock:
+                self._idle.setdefault(reference, []).append(route)
+                self._lock.notify()
+
+    def _new_route(self, origin: Mapping[str, Any], reference: str) -> Route:
+        ref = parse_reference(reference)
+        if ref.digest is None:
+            raise InvalidArgument(f"origin {reference} is not pinned by digest")
+        creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
+        endpoints = RegistryAccess.of(self.settings).endpoints(
+            ref, "pull", creds, node_logins=origin.get("node_logins") is True)
+        tokens = self._tokens.setdefault(reference, TokenCache())
+        return Route(ref, endpoints, timeout=self.timeout, settings=self.settings, actions="pull", tokens=tokens)
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> None:
         start = time.monotonic()
@@ -120,9 +144,8 @@ class RemoteBlobs:
         while True:
             tries += 1
             try:
-                session, lock = self._session(origin)
-                with lock, self.store.importer() as importer:
-                    _import_blob(session, importer, chunk.digest, chunk.stored_size, session.ref.digest or "?",
+                with self._route(origin) as route, self.store.importer() as importer:
+                    _import_blob(route, importer, chunk.digest, chunk.stored_size, route.ref.digest or "?",
                                  Tally(None))
                 break
             except (Unavailable, DeadlineExceeded) as exc:
@@ -149,6 +172,8 @@ class RemoteBlobs:
 
     def close(self) -> None:
         with self._lock:
-            for session, _ in self._sessions.values():
-                session.close()
-            self._sessions.clear()
+            for routes in self._idle.values():
+                for route in routes:
+                    route.close()
+            self._idle.clear()
+            self._open.clear()

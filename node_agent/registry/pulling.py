@@ -4,8 +4,10 @@ The manifest is fetched, bounded, checked against its digest and read as
 hostile input; before a byte is written, what the pull brings must fit its
 bound (``budget``: ``registry.max-pull-bytes``, ``min-free-bytes``), which
 counts every byte again as it arrives. Each blob the store lacks is streamed
-into one store import, which verifies it and skips (without a request) the
-blobs it already holds; the import stages the manifest (the checkpoint
+into one store import, up to ``registry.connections`` at once (``parallel``),
+from the first host of the node's registry hosts that has it (``endpoints``);
+the import verifies each and skips (without a request) the blobs it already
+holds; the import stages the manifest (the checkpoint
 whole, listed nowhere), an ``admit`` callback judges it with the
 signatures fetched and verified before (``referrers_api``), and only then is it
 published and its signatures attached. A refused admission, or a manifest
@@ -43,7 +45,9 @@ from node_agent.oci import (
 from node_agent.registry import referrers_api
 from node_agent.registry.auth import Credentials
 from node_agent.registry.budget import PullBudget
+from node_agent.registry.endpoints import RegistryAccess, Route
 from node_agent.registry.failures import log_failure
+from node_agent.registry.parallel import Stopping, each_blob
 from node_agent.registry.ports import R, Admission, BlobImporter, BlobSink, ProgressCallback, PullReport
 from node_agent.registry.reference import Reference, check_digest, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
@@ -111,11 +115,12 @@ def _manifest_fault(exc: DocumentError) -> str:
     return f"manifest has more than {MAX_DESCRIPTORS} descriptors"
 
 
-def recorded_origin(reference: str, creds: Credentials) -> dict[str, object]:
+def recorded_origin(reference: str, creds: Credentials, node_logins: bool = True) -> dict[str, object]:
     """What a store records about where a lazily pulled checkpoint's blobs are (never the password)."""
     return {
         "reference": reference, "username": creds.username, "ca_file": creds.ca_file, "ca_pem": creds.ca_pem,
         "plain_http": creds.plain_http, "insecure_skip_verify": creds.insecure_skip_verify,
+        "node_logins": node_logins,
     }
 
 
@@ -130,6 +135,7 @@ def pull(
     settings: RegistrySettings | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     admit: Callable[[Admission[R]], None] | None = None,
+    node_logins: bool = True,
 ) -> PullReport:
     """Pull ``ref`` (``host/repo:tag`` or ``host/repo@sha256:...``) into ``store``; returns once it is published.
 
@@ -150,9 +156,14 @@ def pull(
     staged (whole in the store, its signatures verified, but not
     published) and may raise to refuse it: then nothing the pull brought
     stays in the store, and the exception comes out of ``pull`` unchanged.
+
+    Requests go to the hosts the node's registry hosts configuration names
+    for the registry (``endpoints``: its mirrors, then the registry), with
+    ``creds`` for the registry itself and, with ``node_logins``, the node's
+    logins where ``creds`` has none.
     """
     try:
-        return _pull(store, ref, creds, progress, timeout, defer, settings, min_free_bytes, admit)
+        return _pull(store, ref, creds, progress, timeout, defer, settings, min_free_bytes, admit, node_logins)
     except BaseException as exc:
         log_failure(log, "pull", ref, exc)
         raise
@@ -168,15 +179,24 @@ def _pull(
     settings: RegistrySettings | None,
     min_free_bytes: int,
     admit: Callable[[Admission[R]], None] | None,
+    node_logins: bool,
 ) -> PullReport:
     reference = parse_reference(ref)
     if reference.tag is None and reference.digest is None:
         raise InvalidArgument(f"reference {reference} names neither a tag nor a digest")
     tally = Tally(progress)
     log.info("pulling %s: fetching its manifest", reference)
-    with Session(reference, creds, timeout=timeout, settings=settings, actions="pull") as session:
+    access = RegistryAccess.of(settings)
+    endpoints = access.endpoints(reference, "pull", creds, node_logins=node_logins)
+    with Route(reference, endpoints, timeout=timeout, settings=settings, actions="pull") as route:
         tally.report("manifest")
-        manifest, digest = _get_manifest(session)
+        if reference.digest is None:  # a tag is resolved only by hosts trusted to
+            resolvers = access.endpoints(reference, "resolve", creds, node_logins=node_logins)
+            with Route(reference, resolvers, timeout=timeout, settings=settings, actions="pull",
+                       tokens=route.tokens) as resolver:
+                manifest, digest = resolver.run(_get_manifest)
+        else:
+            manifest, digest = route.run(_get_manifest)
         pinned = f"{reference.registry}/{reference.repository}@{digest}"
         refs = parse_manifest(manifest)
         blobs = unique_blobs((b.digest, b.size) for b in refs)
@@ -193,16 +213,19 @@ def _pull(
             admitting = False
             try:
                 if defer is not None:
-                    _import_blob(session, importer, config.digest, config.size, digest, Tally(None), budget)
+                    _import_blob(route, importer, config.digest, config.size, digest, Tally(None), budget)
                     deferred = set(defer(config.digest, config.size)) - {config.digest}
                     blobs = [(d, size) for d, size in blobs if d not in deferred]
                     budget.plan([(d, size) for d, size in blobs if d != config.digest], "what a lazy pull brings now")
-                    store.origins.remember(digest, recorded_origin(pinned, creds))
+                    store.origins.remember(digest, recorded_origin(pinned, creds, node_logins))
                 tally.plan([size for _, size in blobs])
                 tally.report("blobs")
-                for blob_digest, size in blobs:
-                    _import_blob(session, importer, blob_digest, size, digest, tally, budget)
-                signatures = referrers_api.fetch_signatures(session, digest)  # before the commit: a failure publishes nothing
+
+                def fetch(lane: Route, blob: tuple[str, int], stopping: Stopping) -> None:
+                    _import_blob(lane, importer, blob[0], blob[1], digest, tally, budget, stopping)
+
+                each_blob(blobs, fetch, route.lane, registry.connections)
+                signatures = route.run(lambda session: referrers_api.fetch_signatures(session, digest))  # before the commit: a failure publishes nothing
                 tally.report("commit")
                 staged = importer.stage(manifest, deferred=deferred)
                 if admit is not None:
@@ -266,40 +289,54 @@ def _get_manifest(session: Session) -> tuple[bytes, str]:
     return data, digest
 
 
-def _import_blob(session: Session, importer: BlobImporter[R], digest: str, size: int, manifest: str, tally: Tally,
-                 budget: PullBudget | None = None) -> None:
+def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int, manifest: str, tally: Tally,
+                 budget: PullBudget | None = None, stopping: Stopping | None = None) -> None:
     """Add one blob to the import; it is fetched only if the store does not have it.
 
     The importer records every blob it is given (so garbage collection keeps
     it until the import ends) and reads the stream only for a blob it lacks:
     the download starts lazily, on the first read. The transport refuses a
     body longer than ``size`` and the importer one that does not hash to
-    ``digest``; ``budget`` counts each piece before it is written.
+    ``digest``; ``budget`` counts each piece before it is written, and gives
+    back what a host that failed half-way sent before the next host is asked.
     """
-    started = False
 
-    def download() -> Generator[bytes, None, None]:
-        nonlocal started
-        started = True
-        what = f"downloading blob {digest}"
-        url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
-        with session.request("GET", url, what, follow_redirects=True, size=size) as resp:
-            if resp.status == 404:
-                raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
-            if resp.status != 200:
-                raise resp.error(what)
-            for piece in tally.counted(resp.chunks(size, f"blob {digest}")):
-                if budget is not None:
-                    budget.charge(len(piece))
-                yield piece
+    def attempt(session: Session) -> bool:
+        started = False
+        charged = 0
+        count = tally.blob()
 
-    tally.restart_blob()
-    stream = download()
-    try:
-        importer.add_blob(digest, size, stream)
-    finally:
-        stream.close()
-    if started:
-        tally.blob_done()
-    else:
+        def download() -> Generator[bytes, None, None]:
+            nonlocal started, charged
+            started = True
+            what = f"downloading blob {digest}"
+            url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
+            with session.request("GET", url, what, follow_redirects=True, size=size) as resp:
+                if resp.status == 404:
+                    raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
+                if resp.status != 200:
+                    raise resp.error(what)
+                for piece in count.counted(resp.chunks(size, f"blob {digest}")):
+                    if stopping is not None:
+                        stopping.check()
+                    if budget is not None:
+                        budget.charge(len(piece))
+                        charged += len(piece)
+                    yield piece
+
+        stream = download()
+        try:
+            importer.add_blob(digest, size, stream)
+        except BaseException:
+            if budget is not None:
+                budget.refund(charged)
+            count.restart()
+            raise
+        finally:
+            stream.close()
+        if started:
+            count.done()
+        return started
+
+    if not route.run(attempt):
         tally.skip(size)

@@ -1,7 +1,7 @@
 """Push: a checkpoint from the store to a registry repository.
 
-Blobs first (a HEAD on each, an upload only where the registry lacks it),
-the manifest last, so a registry never holds a manifest whose blobs are
+Blobs first (a HEAD on each, an upload only where the registry lacks it;
+up to ``registry.connections`` at once, ``parallel``), the manifest last, so a registry never holds a manifest whose blobs are
 missing, and a push that stopped half-way uploads only what is still missing
 when it is run again. The checkpoint's referrers (its signatures) follow it
 (``referrers_api``). A push that fails, is stopped or runs out of time is
@@ -20,8 +20,10 @@ from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DataLoss, InvalidArgument, Unavailable
 from node_agent.oci import OCI_MANIFEST_MEDIA_TYPE, sha256_digest
 from node_agent.registry import referrers_api
-from node_agent.registry.auth import Credentials
+from node_agent.registry.auth import Credentials, TokenCache
+from node_agent.registry.endpoints import RegistryAccess, Route
 from node_agent.registry.failures import log_failure
+from node_agent.registry.parallel import Stopping, each_blob
 from node_agent.registry.ports import BlobSource, ProgressCallback, PushReport
 from node_agent.registry.reference import Reference, parse_reference
 from node_agent.registry.tally import Tally, unique_blobs
@@ -49,7 +51,10 @@ def push(
     agent's ``registry:`` section; its defaults when None) bound each request
     (``request-timeout``, ``min-rate`` for blobs) and each socket operation
     (``io-timeout``, or ``timeout`` when given), and name the token realms
-    that may be asked. Safe to run again after any failure.
+    that may be asked. It goes to the first host the node's registry hosts
+    configuration trusts with ``push``, with ``creds`` (or else the node's
+    login) where that is the registry itself. Safe to run again after any
+    failure.
     """
     try:
         return _push(store, checkpoint_id, ref, creds, progress, timeout, settings)
@@ -77,16 +82,34 @@ def _push(
     blobs = unique_blobs((d.digest, d.size) for d in store.descriptors(digest))
     tally = Tally(progress)
     tally.plan([size for _, size in blobs])
-    with Session(reference, creds, timeout=timeout, settings=settings, actions="pull,push") as session:
-        tally.report("blobs")
-        for blob_digest, size in blobs:
+    # The first host the node's registry hosts configuration trusts to push (the registry itself, unless a
+    # mirror is; over HTTPS, then plain HTTP where containerd would fall back): a push is not split across hosts.
+    endpoints = RegistryAccess.of(settings).endpoints(reference, "push", creds)
+    endpoints = [e for e in endpoints if e.host.host == endpoints[0].host.host]
+
+    tokens = TokenCache()  # one token serves every lane
+
+    def lane_route() -> Route:
+        return Route(reference, endpoints, timeout=timeout, settings=settings, actions="pull,push", tokens=tokens)
+
+    def send(lane: Route, blob: tuple[str, int], stopping: Stopping) -> None:
+        blob_digest, size = blob
+
+        def attempt(session: Session) -> None:
+            stopping.check()
             if _registry_has(session, blob_digest):
                 tally.skip(size)
             else:
-                _upload(session, store, blob_digest, size, tally)
+                _upload(session, store, blob_digest, size, tally, stopping)
+
+        lane.run(attempt)
+
+    tally.report("blobs")
+    each_blob(blobs, send, lane_route, (settings or RegistrySettings()).connections)
+    with lane_route() as route:
         tally.report("manifest")
-        _put_manifest(session, manifest, digest)
-        referred = _push_referrers(session, store, digest)
+        route.run(lambda session: _put_manifest(session, manifest, digest))
+        referred = route.run(lambda session: _push_referrers(session, store, digest))
     tally.report("done")
     pinned = Reference(reference.registry, reference.repository, reference.tag, digest)
     log.info(
@@ -127,9 +150,11 @@ def _with_query(url: str, name: str, value: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
 
 
-def _upload(session: Session, store: BlobSource, digest: str, size: int, tally: Tally) -> None:
+def _upload(session: Session, store: BlobSource, digest: str, size: int, tally: Tally,
+            stopping: Stopping | None = None) -> None:
     """POST for an upload location, then one PUT of the whole blob, streamed from the store."""
     what = f"uploading blob {digest}"
+    count = tally.blob()
     for _ in range(UPLOAD_ATTEMPTS):
         start_url = session.url(f"/v2/{session.ref.repository}/blobs/uploads/")
         with session.request("POST", start_url, f"starting the upload of blob {digest}", body=b"") as resp:
@@ -139,10 +164,10 @@ def _upload(session: Session, store: BlobSource, digest: str, size: int, tally: 
         if not location:
             raise Unavailable(f"{session.where}: the registry started an upload but sent no Location")
         put_url = _with_query(urljoin(start_url, location.strip()), "digest", digest)
-        tally.restart_blob()
+        count.restart()
         try:
             with store.open_blob(digest) as blob:
-                body = Body(size, tally.counted(_read_blob(blob, digest, size)))
+                body = Body(size, count.counted(_read_blob(blob, digest, size, stopping)))
                 resp = session.request(
                     "PUT", put_url, what, headers={"Content-Type": "application/octet-stream"}, stream=body
                 )
@@ -155,16 +180,18 @@ def _upload(session: Session, store: BlobSource, digest: str, size: int, tally: 
             stored = resp.header("Docker-Content-Digest")
         if stored is not None and stored.strip() != digest:
             raise DataLoss(f"{session.where}: blob {digest} was stored as {stored.strip()[:80]}")
-        tally.blob_done()
+        count.done()
         return
     raise Unavailable(f"{session.where}: {what}: the registry asked for it {UPLOAD_ATTEMPTS} times")
 
 
-def _read_blob(blob: BinaryIO, digest: str, size: int) -> Iterator[bytes]:
+def _read_blob(blob: BinaryIO, digest: str, size: int, stopping: Stopping | None = None) -> Iterator[bytes]:
     """The blob's bytes in chunks, checked against its size and digest as they go out."""
     hasher = hashlib.sha256()
     done = 0
     while True:
+        if stopping is not None:
+            stopping.check()
         try:
             data = blob.read(min(CHUNK_SIZE, size - done + 1))
         except OSError as exc:

@@ -38,7 +38,7 @@ from node_agent.errors import (
     Unauthenticated,
     Unavailable,
 )
-from node_agent.registry.auth import MAX_TOKEN_RESPONSE, Authenticator, Credentials
+from node_agent.registry.auth import MAX_CA_PEM, MAX_TOKEN_RESPONSE, Authenticator, Credentials, TokenCache
 from node_agent.registry.connection import (
     Connection,
     Deadline,
@@ -54,6 +54,7 @@ from node_agent.registry.connection import (
     start_request,
 )
 from node_agent.registry.failures import error_detail, network_error, status_error
+from node_agent.registry.hosts import CAPABILITIES, RegistryHost
 from node_agent.registry.reference import Reference
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,18 @@ class Response:
             self._conn = None
 
 
+def _read_pem(path: str) -> str:
+    """A CA bundle hosts.toml names, as text (a missing or unreadable one is the operator's error, named)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CA_PEM + 1)
+    except OSError as exc:
+        raise InvalidArgument(f"the CA file {path} of the registry hosts configuration: {exc.strerror or exc}") from None
+    if len(data) > MAX_CA_PEM:
+        raise InvalidArgument(f"the CA file {path} of the registry hosts configuration is over {MAX_CA_PEM} bytes")
+    return data.decode("ascii", "replace") + "\n"
+
+
 def _positive(what: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise InvalidArgument(f"{what} must be a finite positive number, got {value!r}")
@@ -211,7 +224,10 @@ class Session:
 
     ``settings`` (the agent's ``registry:`` section) bound each request and
     name the token realms besides the registry's own that may be asked;
-    ``timeout``, when given, replaces its ``io-timeout``.
+    ``timeout``, when given, replaces its ``io-timeout``. ``host`` is where
+    the requests go (a mirror of ``hosts.toml``; the registry itself when
+    None), and ``tokens`` a bearer-token cache shared with the other
+    sessions of the same transfer.
     """
 
     def __init__(
@@ -222,6 +238,8 @@ class Session:
         actions: str,
         settings: RegistrySettings | None = None,
         timeout: float | None = None,
+        host: RegistryHost | None = None,
+        tokens: TokenCache | None = None,
     ) -> None:
         creds.check()
         settings = settings or RegistrySettings()
@@ -230,17 +248,21 @@ class Session:
         self.timeout = _positive("the registry timeout", settings.io_timeout if timeout is None else timeout)
         self.ref = ref
         self.creds = creds
-        self.scheme = "http" if creds.plain_http else "https"
-        self.base = f"{self.scheme}://{ref.registry}"
-        self.origin = origin_of(self.base)
+        if host is None:
+            host = RegistryHost("http" if creds.plain_http else "https", ref.registry, "/v2", CAPABILITIES,
+                                namespace=ref.registry)
+        self.host = host
+        self.origin = origin_of(f"{host.scheme}://{host.host}")
         self.where = f"registry {ref.registry}, repository {ref.repository}"
+        if host.is_proxy:
+            self.where += f", through {host.scheme}://{host.host}"
         self.token_realms = frozenset(
             host_port(origin_of("https://" + token_realm_host(entry))) for entry in settings.token_realms
         )
         self._tls: ssl.SSLContext | None = None
         self._pool: dict[Origin, Connection] = {}
         self._deadline: Deadline | None = None  # of the request in progress, for the tokens it fetches
-        self.auth = Authenticator(ref.registry, ref.repository, creds, actions, self._fetch_token)
+        self.auth = Authenticator(ref.registry, ref.repository, creds, actions, self._fetch_token, tokens=tokens)
         if creds.plain_http and not is_loopback(self.origin.host):
             log.warning("plain HTTP to registry %s, which is not on loopback", ref.registry)
         if creds.insecure_skip_verify:
@@ -260,21 +282,26 @@ class Session:
         self._pool.clear()
 
     def url(self, path: str) -> str:
-        """An absolute URL on the registry for ``/v2/...``."""
-        return self.base + path
+        """An absolute URL at this session's host for the API path ``/v2/...`` (a mirror's own root and ``ns``)."""
+        if not path.startswith("/v2/"):
+            raise Internal(f"not a registry API path: {path[:80]!r}")
+        return self.host.url(path[3:])
 
     # -- connections -------------------------------------------------------------------
 
     def tls_context(self) -> ssl.SSLContext:
         """The context for HTTPS: the system's CAs and the CA given, or no verification under insecure-skip-verify."""
         if self._tls is None:
-            trust = tls.Trust(
-                ca_file=self.creds.ca_file,
-                ca_pem=self.creds.ca_pem,
-                keep_system_ca=True,
-                insecure=self.creds.insecure_skip_verify,
-            )
+            cert, key = self.host.client_certs[0] if self.host.client_certs else ("", "")
             try:
+                trust = tls.Trust(
+                    ca_file=self.creds.ca_file,
+                    ca_pem="".join([self.creds.ca_pem, *(_read_pem(path) for path in self.host.ca_files)]),
+                    keep_system_ca=True,
+                    cert_file=cert,
+                    key_file=key or cert,
+                    insecure=self.creds.insecure_skip_verify or self.host.skip_verify,
+                )
                 self._tls = tls.client_context(trust, "registry")
             except tls.TrustError as exc:
                 raise InvalidArgument(str(exc)) from None
@@ -365,6 +392,10 @@ class Session:
         while True:
             origin = origin_of(current)
             send_headers = dict(headers or {})
+            if origin == self.origin:
+                for name, value in self.host.headers:  # hosts.toml's, below the request's own
+                    if name.lower() not in {k.lower() for k in send_headers}:
+                        send_headers[name] = value
             sent_auth = self.auth.header() if origin == self.origin else None
             if sent_auth is not None:
                 send_headers["Authorization"] = sent_auth

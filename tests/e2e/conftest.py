@@ -65,19 +65,36 @@ def allow_foreign(agent: Bed) -> Iterator[Bed]:
         yield agent
 
 
-@pytest.fixture(scope="session")
-def node2(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    """A second "node": its own containerd, runc root, CNI bridge, images, and an agent with an empty store."""
-    name = BED_NAME + "-2"
-    b = bring_up(name, tmp_path_factory.mktemp("node2"))
-    assert b.info["subnet"] != bed.info["subnet"] and b.info["cni_bridge"] != bed.info["cni_bridge"]
+def _second_bed(suffix: str, workdir: Path, images: str | None = None) -> Iterator[Bed]:
+    b = bring_up(BED_NAME + suffix, workdir, images=images)
     b.start_agent()
     try:
         yield b
     finally:
         b.stop_agent()
         if os.environ.get("NODE_AGENT_E2E_KEEP") != "1":
-            testbed("down", name)
+            testbed("down", BED_NAME + suffix)
+
+
+@pytest.fixture(scope="session")
+def node2(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A second "node": its own containerd, runc root, CNI bridge, images, and an agent with an empty store."""
+    for b in _second_bed("-2", tmp_path_factory.mktemp("node2")):
+        assert b.info["subnet"] != bed.info["subnet"] and b.info["cni_bridge"] != bed.info["cni_bridge"]
+        yield b
+
+
+@pytest.fixture(scope="session")
+def node3(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A third "node", like node2."""
+    yield from _second_bed("-3", tmp_path_factory.mktemp("node3"))
+
+
+@pytest.fixture(scope="session")
+def fresh(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A fresh node: no image but the sandbox's, an empty store; it reaches registries only as a test
+    configures it to (its hosts.toml, its logins)."""
+    yield from _second_bed("-fresh", tmp_path_factory.mktemp("fresh"), images="pause")
 
 
 @pytest.fixture(scope="session")

@@ -140,6 +140,12 @@ def test_daemonset_is_privileged_with_the_host_mounts_the_agent_needs(tmp_path: 
                  "/sys", "/sys/fs/cgroup", "/dev"):
         assert _covered(path, mounts), path
     assert mounts.get("/host/proc") == "/proc"
+    # The registry hosts and the node's logins, as containerd and the kubelet have them, read-only.
+    read_only = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
+    for path in (s.registry.config_path, s.registry.credentials_file):
+        assert _covered(path, mounts), path
+        inside = max((m for m in mounts if path.startswith(m.rstrip("/") + "/") or path == m), key=len)
+        assert read_only[inside] is True, inside
     # doctor --deployment --host-root /host reads the host's containerd config and wrapper there, read-only.
     assert mounts.get("/host") == "/"
     assert {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}["/host"] is True

@@ -361,7 +361,7 @@ def hostile_registry() -> Iterator[tuple[Any, list[Any]]]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from testbed.registry import FakeServer
+    from testbed.httpanswers import FakeServer
 
     queue: list[Any] = []
 

@@ -70,6 +70,7 @@ FULL: dict[str, Any] = {
     "restore": {"require-signature": True, "allow-foreign": False,
                 "trusted-keys": {"*": ["/etc/node-agent/ci.pub.pem"], "prod": ["ed25519:" + "A" * 43 + "="]},
                 "pod-sources": {"prod": ["staging"]}, "pod-registries": ["registry.example:5000/ckpt"],
+                "pod-credentials": {"prod": ["registry.example:5000/ckpt"]},
                 "pod-host-access-namespaces": ["gpu-ops"]},
     "signing": {"key-file": "/etc/node-agent/signing.pem"},
     "encryption": {"key-sources": [{"file": "/etc/node-agent/keyring.yaml"},
@@ -89,6 +90,7 @@ def test_the_description_lists_every_rule_and_no_secret() -> None:
         'restore.trusted-keys["prod"]: ed25519:' + "A" * 43 + "=",
         "restore.pod-sources (restore-from across namespaces): into prod: from staging",
         "restore.pod-registries: registry.example:5000/ckpt",
+        "restore.pod-credentials (the node's registry logins for restore-from): in prod: registry.example:5000/ckpt",
         "restore.pod-host-access-namespaces: gpu-ops",
         "restore.allow-foreign: false (checkpoints imported from CRI-O, Podman or containerd archives are not restored)",
         "signing.key-file: /etc/node-agent/signing.pem (new checkpoints are signed)",
@@ -102,8 +104,10 @@ def test_the_description_lists_every_rule_and_no_secret() -> None:
     assert plain[3] == "restore.pod-sources (restore-from across namespaces): none (a Pod restores only " \
         "checkpoints of its own namespace)"
     assert plain[4] == "restore.pod-registries: none (registry references in restore-from are refused)"
-    assert plain[5] == "restore.pod-host-access-namespaces: none"
-    assert "restore.allow-foreign: false" in plain[6] and plain[7].startswith("signing.key-file: none")
+    assert plain[5] == ("restore.pod-credentials (the node's registry logins for restore-from): none (Pods pull "
+                        "without the node's logins)")
+    assert plain[6] == "restore.pod-host-access-namespaces: none"
+    assert "restore.allow-foreign: false" in plain[7] and plain[8].startswith("signing.key-file: none")
     assert "restore.allow-foreign: true" in policy.describe(settings(restore={"allow-foreign": True}))
 
 

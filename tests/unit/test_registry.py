@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from node_agent.config.schema import RegistrySettings
 from node_agent.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -41,11 +42,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from testbed.httpanswers import answer  # noqa: E402
-from testbed.registry import FakeServer, Registry  # noqa: E402
+from testbed.httpanswers import FakeServer, answer  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
 
 MiB = 1 << 20
 PLAIN = Credentials(plain_http=True)
+ONE_LANE = RegistrySettings(connections=1)  # blob after blob: a transfer cut at a byte count stops at a known blob
 
 
 class Stop(Exception):
@@ -186,7 +188,7 @@ def test_interrupted_push_resumes(tmp_path: Path, registry: Registry, source: tu
     total = sum(size for _, size in blobs)
     done_before, threshold = _interrupt_point(blobs)
     with pytest.raises(Stop):
-        push(src, cid, registry.ref("ckpt/web:v1"), PLAIN, progress=_stopper(threshold))
+        push(src, cid, registry.ref("ckpt/web:v1"), PLAIN, progress=_stopper(threshold), settings=ONE_LANE)
     assert _manifest_status(registry, "v1") == 404  # nothing published half-way
 
     report = push(src, cid, registry.ref("ckpt/web:v1"), PLAIN)
@@ -221,7 +223,7 @@ def test_interrupted_pull_resumes(tmp_path: Path, registry: Registry, source: tu
     done_before, threshold = _interrupt_point(blobs)
     dst = Store(tmp_path / "dest-store")
     with pytest.raises(Stop):
-        pull(dst, registry.ref("ckpt/web:v1"), PLAIN, progress=_stopper(threshold))
+        pull(dst, registry.ref("ckpt/web:v1"), PLAIN, progress=_stopper(threshold), settings=ONE_LANE)
     assert dst.list() == []
     with pytest.raises(NotFound):
         dst.get(cid)
@@ -234,6 +236,7 @@ def test_interrupted_pull_resumes(tmp_path: Path, registry: Registry, source: tu
 
 _CHILD = r"""
 import sys
+from node_agent.config.schema import RegistrySettings
 from node_agent.registry import Credentials, pull, push
 from node_agent.store import Store
 
@@ -245,10 +248,11 @@ def progress(p):
         sys.stdin.read()  # hold the transfer open here until killed
 
 store = Store(root)
+one_lane = RegistrySettings(connections=1)  # blob after blob, so that the cut falls where the test says
 if op == "push":
-    push(store, cid, ref, Credentials(plain_http=True), progress=progress)
+    push(store, cid, ref, Credentials(plain_http=True), progress=progress, settings=one_lane)
 else:
-    pull(store, ref, Credentials(plain_http=True), progress=progress)
+    pull(store, ref, Credentials(plain_http=True), progress=progress, settings=one_lane)
 print("finished", flush=True)
 """
 
@@ -347,8 +351,9 @@ def test_token_auth(tmp_path: Path, source: tuple[Store, str, dict[str, bytes]])
         assert tokens is not None
         alice = Credentials("alice", "pw-a", plain_http=True)
         push(src, cid, registry.ref("ckpt/web:v1"), alice)
-        assert len(tokens.issued) == 1  # one token, cached for the whole push
-        assert tokens.issued[0] == ("alice", ["repository:ckpt/web:pull", "repository:ckpt/web:pull,push"])
+        assert len(tokens.issued) == 1  # one token, cached for the whole push and shared by its lanes
+        # The push's own scope covers the challenge's (pull): one scope asked for.
+        assert tokens.issued[0] == ("alice", ["repository:ckpt/web:pull,push"])
 
         reader = Credentials("reader", "pw-r", plain_http=True)
         dst = Store(tmp_path / "dest-store")
@@ -389,7 +394,8 @@ def test_cached_token_refused_is_fetched_again(tmp_path: Path, source: tuple[Sto
                 registry.rotate_token_key()
 
         alice = Credentials("alice", "pw-a", plain_http=True)
-        report = push(src, cid, registry.ref("ckpt/web:v1"), alice, progress=progress)
+        # One lane: the restart falls between two requests (with several lanes, those in flight fail with it).
+        report = push(src, cid, registry.ref("ckpt/web:v1"), alice, progress=progress, settings=ONE_LANE)
         assert rotated and report.blobs_uploaded == len(blobs)
         assert len(tokens.issued) == 2
         dst = Store(tmp_path / "dest-store")
@@ -595,7 +601,7 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
     for mode, error in (("longer", DataLoss), ("shorter", Unavailable), ("corrupt", DataLoss)):
         state["mode"] = mode
         with pytest.raises(error):
-            pull(dst, f"{host}/ckpt/web:v1", PLAIN)
+            pull(dst, f"{host}/ckpt/web:v1", PLAIN, settings=ONE_LANE)
         assert dst.list() == []
     state["mode"] = ""
     report = pull(dst, f"{host}/ckpt/web:v1", PLAIN)

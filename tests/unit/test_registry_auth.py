@@ -39,9 +39,9 @@ def test_bearer_token_is_fetched_once_and_cached() -> None:
     assert auth.header() == "Bearer t1"
     [(realm, query, authorization)] = fetch.calls
     assert realm == "https://auth.example/token"
+    # The operation's own scope (pull,push) covers the challenge's (pull): only it is asked for.
     assert query == [
         ("service", "reg"),
-        ("scope", "repository:ckpt/web:pull"),
         ("scope", "repository:ckpt/web:pull,push"),
         ("account", "alice"),
     ]

@@ -33,8 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from testbed.httpanswers import answer, head_bytes, trickle  # noqa: E402
-from testbed.registry import FakeServer  # noqa: E402
+from testbed.httpanswers import FakeServer, answer, head_bytes, trickle  # noqa: E402
 
 PLAIN = Credentials(plain_http=True)
 BOUND = 2.0

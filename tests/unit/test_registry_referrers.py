@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
-from testbed.httpanswers import answer  # noqa: E402
-from testbed.registry import FakeServer, Registry  # noqa: E402
+from testbed.httpanswers import FakeServer, answer  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
 
 PLAIN = Credentials(plain_http=True)
 SIG = signing.SIGNATURE_ARTIFACT_TYPE
