@@ -44,8 +44,12 @@ async def ensure_image(cri: CriClient, settings: Settings, record: CheckpointRec
         await cri.pull_image(image, username=login.username if login else "",
                              password=login.password if login else "", timeout=settings.timeouts.restore)
     except errors.AgentError as exc:
-        raise type(exc)(f"restore of {record.id}: image {image} (container {cname}) is not on this node, "
-                        f"and pulling it failed: {exc}") from exc
+        # A registry that wants a login, or refuses the one sent, says so; any other failure (containerd
+        # answers most with UNKNOWN) leaves the image missing: a precondition of the restore, not a fault.
+        kind = type(exc) if isinstance(exc, (errors.Unauthenticated, errors.PermissionDenied)) else \
+            errors.FailedPrecondition
+        raise kind(f"restore of {record.id}: image {image} (container {cname}) is not on this node, "
+                   f"and pulling it failed: {exc}") from exc
 
 
 async def check_image(cri: CriClient, record: CheckpointRecord, saved: SavedPod, cname: str, image: str) -> None:
