@@ -3,7 +3,9 @@
 `BedLayout` is one bed's layout on disk (under /var/lib/node-agent-testbed
 and /run/node-agent-testbed) and the ctr and runc it goes with; `Lock` is the
 flock that serialises commands on one bed (and on the shared index and image
-cache). A bed's index picks its bridge and subnet.
+cache). A bed's index picks its bridge and subnet. `write_hosts_toml` writes
+a registry's hosts.toml into a registry hosts directory (a bed's `hosts_dir`,
+or any other containerd ``config_path``).
 
 Rule: standard library only (see testbed/host.py).
 """
@@ -16,6 +18,7 @@ import os
 import re
 import subprocess
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from node_agent.containerd import all_runtimes
@@ -175,6 +178,18 @@ class BedLayout:
         if namespace:
             argv += ["--namespace", namespace]
         return run(argv + list(args), timeout=timeout, check=check)
+
+
+def write_hosts_toml(hosts_dir: str | os.PathLike[str], registry: str, text: str) -> Path:
+    """Writes `text` as `<hosts_dir>/<registry>/hosts.toml`, making the directory if need be; returns its path.
+
+    `registry` is the directory's name as containerd looks it up (`host:port`, `host_port_`, `_default`).
+    """
+    directory = Path(hosts_dir) / registry
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "hosts.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def claimed_indexes(exclude: str) -> dict[int, str]:

@@ -28,10 +28,12 @@ import threading
 import time
 import uuid
 from collections.abc import Collection, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
+
+from testbed.httpanswers import LoopbackServer
 
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
@@ -153,40 +155,22 @@ class TokenServer:
         self.refused = 0
         self.upstream = 0
         self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                if urlsplit(self.path).path == "/token" or not server.upstream:
-                    server._handle(self)
-                else:
-                    server._forward(self)
-
-            def do_HEAD(self) -> None:
-                server._forward(self)
-
-            do_PUT = do_POST = do_PATCH = do_DELETE = do_HEAD
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        if tls:
-            self._httpd.socket = certs.server_context().wrap_socket(self._httpd.socket, server_side=True)
-        self.port = int(self._httpd.server_address[1])
+        self._server = LoopbackServer(self._respond, tls=certs if tls else None, name="test-token-server")
+        self.port = self._server.port
         self.realm = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/token"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="test-token-server", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._server.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=10)
+        self._server.stop()
+
+    def _respond(self, handler: BaseHTTPRequestHandler) -> None:
+        """``GET /token`` (any GET without an upstream) here; everything else to the registry behind."""
+        if handler.command == "GET" and (urlsplit(handler.path).path == "/token" or not self.upstream):
+            self._handle(handler)
+        else:
+            self._forward(handler)
 
     def _answer(self, handler: BaseHTTPRequestHandler, status: int, doc: object) -> None:
         body = json.dumps(doc).encode()
@@ -504,6 +488,15 @@ class Registry:
             except (OSError, http.client.HTTPException):
                 time.sleep(0.05)
         return False
+
+    def manifest_blobs(self, repository: str, reference: str) -> dict[str, int]:
+        """The blobs an OCI manifest here lists (its config, then its layers), by digest, with their sizes."""
+        status, body = self.request("GET", f"/v2/{repository}/manifests/{reference}",
+                                    headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+        if status != 200:
+            raise AssertionError(f"manifest {repository}:{reference}: HTTP {status}")
+        manifest = json.loads(body)
+        return {str(d["digest"]): int(d["size"]) for d in [manifest["config"], *manifest["layers"]]}
 
     def blob_bytes_served(self, digests: Collection[str] | None = None) -> int:
         """Bytes of blob bodies this registry has sent so far (GET .../blobs/...; of ``digests`` only, when

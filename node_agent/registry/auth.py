@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from node_agent.errors import InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+from node_agent.registry.reference import HTTP_TOKEN
 
 MAX_TOKEN_RESPONSE = 1 << 20
 """Largest token-server answer read."""
@@ -24,7 +25,6 @@ DEFAULT_TOKEN_LIFETIME = 60
 """Seconds a token lives when the server does not say (the distribution token spec's default)."""
 
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9\-._~+/]+=*", re.ASCII)
-_HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", re.ASCII)
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"', re.ASCII | re.DOTALL)
 _SAFE_PARAM = re.compile(r"[\x20-\x7e]*", re.ASCII)
 MAX_TOKEN_LENGTH = 1 << 16
@@ -95,7 +95,7 @@ def parse_challenges(values: Sequence[str]) -> list[Challenge]:
             if pos < n and value[pos] == ",":
                 pos += 1
                 continue
-            m = _HTTP_TOKEN.match(value, pos)
+            m = HTTP_TOKEN.match(value, pos)
             if m is None:
                 break
             word, pos = m.group(0), m.end()
@@ -108,7 +108,7 @@ def parse_challenges(values: Sequence[str]) -> list[Challenge]:
                     param = re.sub(r"\\(.)", r"\1", q.group(1))
                     pos = q.end()
                 else:
-                    t = _HTTP_TOKEN.match(value, pos)
+                    t = HTTP_TOKEN.match(value, pos)
                     if t is None:
                         break
                     param, pos = t.group(0), t.end()

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from node_agent.errors import InvalidArgument
 from node_agent.registry.auth import Credentials
-from node_agent.registry.reference import MAX_REFERENCE_LENGTH
+from node_agent.registry.reference import MAX_REFERENCE_LENGTH, is_port, is_printable
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,10 @@ LEGACY_DEFAULT_REGISTRY = "index.docker.io"
 UNSUPPORTED_KEYS = ("credsStore", "credHelpers")
 """Top-level keys that name credential helpers, which are never run."""
 
-_PRINTABLE = re.compile(r"[\x21-\x7e]+", re.ASCII)
+# Not a reference's host grammar (reference.py), on purpose: a key's host may be a glob (``*``, ``[a-z]``),
+# and a bracketed IPv6 host is taken as the kubelet takes it, a zone allowed.
 _HOST_CHARS = re.compile(r"[A-Za-z0-9\-_.*\[\]]+", re.ASCII)
 _BRACKETED = re.compile(r"\[([^\]]*)\](?::([0-9]*))?", re.ASCII)
-_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 _REPOSITORY = re.compile(r"[a-z0-9._\-]+(?:/[a-z0-9._\-]+)*", re.ASCII)
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}", re.ASCII)
 
@@ -158,7 +158,7 @@ def _parse_key(raw: str) -> _Key | str:
     """The normalised key, or why the key names no registry."""
     if not raw:
         return "the key is empty"
-    if len(raw) > MAX_REFERENCE_LENGTH or _PRINTABLE.fullmatch(raw) is None:
+    if len(raw) > MAX_REFERENCE_LENGTH or not is_printable(raw):
         return "the key has spaces, control or non-ASCII characters, or is too long"
     text = raw
     for scheme in ("https://", "http://"):
@@ -200,7 +200,7 @@ def _parse_key(raw: str) -> _Key | str:
             return "the key's host has an empty part"
         if not colon:
             port = None
-    if port is not None and (_PORT.fullmatch(port) is None or not 1 <= int(port) <= 65535):
+    if port is not None and not is_port(port):
         return "the key's port is not a number from 1 to 65535"
     labels = host.split(".")
     globs = [_glob(label) for label in labels]
@@ -254,7 +254,7 @@ def _split_image(image: str) -> tuple[str, tuple[str, ...], str, str]:
     """``image`` normalised as the kubelet normalises it: (registry, host parts, port, path)."""
     if not isinstance(image, str):
         raise InvalidArgument(f"an image is a string, not {type(image).__name__}")
-    if not image or len(image) > MAX_REFERENCE_LENGTH or _PRINTABLE.fullmatch(image) is None:
+    if not image or len(image) > MAX_REFERENCE_LENGTH or not is_printable(image):
         raise InvalidArgument("an image must be 1 to 1024 printable ASCII characters")
     shown = repr(image) if len(image) <= 80 else repr(image[:77] + "...")
     name = image.partition("@")[0]
@@ -286,7 +286,7 @@ def _split_image(image: str) -> tuple[str, tuple[str, ...], str, str]:
         if _HOST_CHARS.fullmatch(host) is None or any(ch in host for ch in "*[]") or "" in host.split("."):
             raise InvalidArgument(f"image {shown}: bad registry host")
         port = port if sep else None
-    if port is not None and (_PORT.fullmatch(port) is None or not 1 <= int(port) <= 65535):
+    if port is not None and not is_port(port):
         raise InvalidArgument(f"image {shown}: the registry port is not a number from 1 to 65535")
     return registry, tuple(host.split(".")), port or "", "/" + repository
 
@@ -352,14 +352,22 @@ class NodeCredentials:
     def _warn(self, text: str) -> None:
         log.warning("registry logins: %s %s", self._path, text)
 
+    def _os_error(self, step: str, exc: OSError) -> None:
+        """``step`` (``stat``, ``open`` or ``read``) failed: no logins, and a warning told once.
+
+        A file missing when it is looked up or opened is no problem: no logins, and no warning.
+        """
+        if step != "read" and isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+            self._install(None, {}, {})
+        else:
+            what = "cannot be examined" if step == "stat" else "cannot be read"
+            self._fail((step, exc.errno or 0), f"{what} ({_errno_name(exc)})")
+
     def _refresh(self) -> None:
         try:
             st = os.stat(self._path)
-        except (FileNotFoundError, NotADirectoryError):
-            self._install(None, {}, {})
-            return
         except OSError as exc:
-            self._fail(("stat", exc.errno or 0), f"cannot be examined ({_errno_name(exc)})")
+            self._os_error("stat", exc)
             return
         if (st.st_mtime_ns, st.st_size, st.st_ino) != self._signature:
             self._read()
@@ -367,11 +375,8 @@ class NodeCredentials:
     def _read(self) -> None:
         try:
             fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            self._install(None, {}, {})
-            return
         except OSError as exc:
-            self._fail(("open", exc.errno or 0), f"cannot be read ({_errno_name(exc)})")
+            self._os_error("open", exc)
             return
         try:
             st = os.fstat(fd)
@@ -380,7 +385,7 @@ class NodeCredentials:
                 return
             data = b"" if st.st_size > MAX_CONFIG_BYTES else _read_at_most(fd, MAX_CONFIG_BYTES + 1)
         except OSError as exc:
-            self._fail(("read", exc.errno or 0), f"cannot be read ({_errno_name(exc)})")
+            self._os_error("read", exc)
             return
         finally:
             os.close(fd)

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from node_agent.errors import FailedPrecondition, InvalidArgument
-from node_agent.registry.reference import parse_reference
+from node_agent.registry.reference import HTTP_TOKEN, is_printable, parse_reference, show
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,6 @@ _KNOWN_KEYS = frozenset(
     {"capabilities", "ca", "client", "skip_verify", "header", "override_path", "dial_timeout", "proxy"}
 )
 _ROOT_ONLY_KEYS = frozenset({"server", "host"})
-_PRINTABLE = re.compile(r"[\x21-\x7e]+", re.ASCII)
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", re.ASCII)
 _HEADER_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 # Go's time.ParseDuration: a sign, then one or more decimal numbers each with a unit.
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)", re.ASCII)
@@ -135,11 +133,11 @@ def registry_hosts(registry: str, config_path: str) -> list[RegistryHost]:
 def check_registry_name(registry: str) -> None:
     """Raise InvalidArgument unless ``registry`` is ``host[:port]`` of an image reference (no path, no '..')."""
     if not isinstance(registry, str) or not registry or "/" in registry or "\\" in registry:
-        raise InvalidArgument(f"registry {_show(registry)} is not host[:port]")
+        raise InvalidArgument(f"registry {show(registry)} is not host[:port]")
     try:
         parse_reference(f"{registry}/r")
     except InvalidArgument:
-        raise InvalidArgument(f"registry {_show(registry)} is not host[:port]") from None
+        raise InvalidArgument(f"registry {show(registry)} is not host[:port]") from None
 
 
 def host_directory(registry: str, config_path: str) -> str | None:
@@ -169,11 +167,6 @@ def _directory_names(registry: str) -> list[str]:
     if colon > 0:
         names.append(f"{registry[:colon]}_{registry[colon + 1:]}_")
     return [*names, registry, DEFAULT_DIRECTORY]
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -325,7 +318,7 @@ def _settings(table: Mapping[str, Any], path: str, base: str, prefix: str) -> _S
         lowered = frozenset(c.lower() for c in names)
         unknown = sorted(lowered - CAPABILITIES)
         if unknown:
-            raise fail("capabilities", f"names an unknown capability {_show(unknown[0])}")
+            raise fail("capabilities", f"names an unknown capability {show(unknown[0])}")
         capabilities = lowered
 
     def file_path(key: str, value: object) -> str:
@@ -368,7 +361,7 @@ def _settings(table: Mapping[str, Any], path: str, base: str, prefix: str) -> _S
         raise fail("dial_timeout", f"must be a duration string like \"1s\", not {_kind(timeout)}")
     dial_timeout = _duration(timeout) if timeout else None
     if timeout and dial_timeout is None:
-        raise fail("dial_timeout", f"is not a non-negative duration like \"500ms\" or \"1m30s\": {_show(timeout)}")
+        raise fail("dial_timeout", f"is not a non-negative duration like \"500ms\" or \"1m30s\": {show(timeout)}")
 
     return _Settings(
         capabilities=capabilities,
@@ -390,8 +383,8 @@ def _headers(header: object, fail: Callable[[str, str], InvalidArgument]) -> tup
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise fail(f"header.{name}", f"must be a string or an array of strings, not {_kind(value)}")
-        if _HEADER_NAME.fullmatch(name) is None:
-            raise fail(f"header.{_show(name)}", "is not an HTTP header name")
+        if HTTP_TOKEN.fullmatch(name) is None:
+            raise fail(f"header.{show(name)}", "is not an HTTP header name")
         for v in values:
             if _HEADER_VALUE.fullmatch(v) is None:
                 raise fail(f"header.{name}", "holds a control character")
@@ -420,23 +413,23 @@ def _split_url(text: str, override_path: bool, path: str, key: str) -> tuple[str
     def fail(what: str) -> InvalidArgument:
         return InvalidArgument(f"{path}: key {key}: {what}")
 
-    if _PRINTABLE.fullmatch(text) is None:
-        raise fail(f"{_show(text)} has spaces, control or non-ASCII characters")
+    if not is_printable(text):
+        raise fail(f"{show(text)} has spaces, control or non-ASCII characters")
     if not text.lower().startswith(("http://", "https://")):
         if "://" in text:
-            raise fail(f"{_show(text)}: only http:// and https:// hosts are supported")
+            raise fail(f"{show(text)}: only http:// and https:// hosts are supported")
         text = "https://" + text
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError for a malformed port
     except ValueError:
-        raise fail(f"{_show(text)} is not a valid URL") from None
+        raise fail(f"{show(text)} is not a valid URL") from None
     if parts.username is not None or parts.password is not None or "@" in parts.netloc:
         raise fail("the URL must not hold credentials")
     if not parts.hostname:
-        raise fail(f"{_show(text)} names no host")
+        raise fail(f"{show(text)} names no host")
     if parts.query or parts.fragment or text.endswith(("?", "#")):
-        raise fail(f"{_show(text)} must not have a query or fragment")
+        raise fail(f"{show(text)} must not have a query or fragment")
     # Go's path.Clean, then "/v2" appended unless the path ends with it or override_path says it is the root.
     root = posixpath.normpath(parts.path) if parts.path else ""
     root = "" if root.strip("/") == "" else "/" + root.lstrip("/")

@@ -2,7 +2,9 @@
 
 The grammar is the distribution reference grammar, narrowed to what the agent
 needs: the registry host is always named (there is no default registry), and
-the only digest algorithm is sha256.
+the only digest algorithm is sha256. What the other readers of registry names
+(hosts.toml, the docker config) share with it lives here too: ``is_printable``,
+``is_port``, and ``show`` for a hostile value in a message.
 """
 
 from __future__ import annotations
@@ -27,44 +29,59 @@ _PATH_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*", re.ASCII)
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
 _PRINTABLE = re.compile(r"[\x21-\x7e]+", re.ASCII)
+HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", re.ASCII)
+"""An HTTP token (RFC 9110): a header's name, an authentication scheme or parameter name."""
+
+
+def is_printable(text: str) -> bool:
+    """Whether ``text`` is one or more printable ASCII characters: no space, control or non-ASCII character.
+
+    What a reference, a docker config key, an image name and a hosts.toml URL are all made of.
+    """
+    return _PRINTABLE.fullmatch(text) is not None
+
+
+def is_port(text: str) -> bool:
+    """Whether ``text`` is a registry's port: one to five ASCII digits, a number from 1 to 65535."""
+    return _PORT.fullmatch(text) is not None and 1 <= int(text) <= 65535
+
+
+def show(value: object) -> str:
+    """A short, printable rendering of a hostile value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_digest(digest: str, what: str = "digest") -> str:
     """Return ``digest`` if it is ``sha256:`` and 64 lowercase hex digits, else raise InvalidArgument."""
     if not isinstance(digest, str) or _DIGEST.fullmatch(digest) is None:
-        raise InvalidArgument(f"{what} {_show(digest)} is not sha256:<64 lowercase hex digits>")
+        raise InvalidArgument(f"{what} {show(digest)} is not sha256:<64 lowercase hex digits>")
     return digest
-
-
-def _show(value: object) -> str:
-    """A short, printable rendering of a hostile value for an error message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_registry(registry: str, text: str) -> None:
     if registry.startswith("["):
         close = registry.find("]")
         if close < 0:
-            raise InvalidArgument(f"reference {_show(text)}: unterminated IPv6 address in the registry host")
+            raise InvalidArgument(f"reference {show(text)}: unterminated IPv6 address in the registry host")
         literal, rest = registry[1:close], registry[close + 1 :]
         try:
             ipaddress.IPv6Address(literal)
         except ValueError:
-            raise InvalidArgument(f"reference {_show(text)}: {_show(literal)} is not an IPv6 address") from None
+            raise InvalidArgument(f"reference {show(text)}: {show(literal)} is not an IPv6 address") from None
         if "%" in literal:
-            raise InvalidArgument(f"reference {_show(text)}: zoned IPv6 addresses are not supported")
+            raise InvalidArgument(f"reference {show(text)}: zoned IPv6 addresses are not supported")
         if rest and not rest.startswith(":"):
-            raise InvalidArgument(f"reference {_show(text)}: bad registry host {_show(registry)}")
+            raise InvalidArgument(f"reference {show(text)}: bad registry host {show(registry)}")
         port = rest[1:] if rest else None
     else:
         host, sep, port_text = registry.partition(":")
         if _HOST.fullmatch(host) is None or len(host) > 253:
-            raise InvalidArgument(f"reference {_show(text)}: bad registry host {_show(host)}")
+            raise InvalidArgument(f"reference {show(text)}: bad registry host {show(host)}")
         port = port_text if sep else None
     if port is not None:
-        if _PORT.fullmatch(port) is None or not 1 <= int(port) <= 65535:
-            raise InvalidArgument(f"reference {_show(text)}: bad registry port {_show(port)}")
+        if not is_port(port):
+            raise InvalidArgument(f"reference {show(text)}: bad registry port {show(port)}")
 
 
 def _looks_like_registry(component: str) -> bool:
@@ -78,29 +95,29 @@ def _split(text: str) -> tuple[str, str, str | None, str | None]:
         raise InvalidArgument("reference is empty")
     if len(text) > MAX_REFERENCE_LENGTH:
         raise InvalidArgument(f"reference is longer than {MAX_REFERENCE_LENGTH} characters")
-    if _PRINTABLE.fullmatch(text) is None:
-        raise InvalidArgument(f"reference {_show(text)} has spaces, control or non-ASCII characters")
+    if not is_printable(text):
+        raise InvalidArgument(f"reference {show(text)} has spaces, control or non-ASCII characters")
     rest, at, digest = text.partition("@")
     if at:
-        check_digest(digest, f"reference {_show(text)}: digest")
+        check_digest(digest, f"reference {show(text)}: digest")
     registry, slash, path = rest.partition("/")
     if not slash or not _looks_like_registry(registry):
-        raise InvalidArgument(f"reference {_show(text)} must start with a registry host, like 127.0.0.1:5000/repo:tag")
+        raise InvalidArgument(f"reference {show(text)} must start with a registry host, like 127.0.0.1:5000/repo:tag")
     _check_registry(registry, text)
     # After the host, a ':' can only introduce the tag.
     repository, colon, tag = path.partition(":")
     if not repository:
-        raise InvalidArgument(f"reference {_show(text)} names no repository")
+        raise InvalidArgument(f"reference {show(text)} names no repository")
     if len(repository) > MAX_NAME_LENGTH:
-        raise InvalidArgument(f"reference {_show(text)}: repository is longer than {MAX_NAME_LENGTH} characters")
+        raise InvalidArgument(f"reference {show(text)}: repository is longer than {MAX_NAME_LENGTH} characters")
     for component in repository.split("/"):
         if _PATH_COMPONENT.fullmatch(component) is None:
             raise InvalidArgument(
-                f"reference {_show(text)}: repository component {_show(component)} must be lowercase "
+                f"reference {show(text)}: repository component {show(component)} must be lowercase "
                 "letters and digits, separated by '.', '_', '__' or '-'"
             )
     if colon and _TAG.fullmatch(tag) is None:
-        raise InvalidArgument(f"reference {_show(text)}: bad tag {_show(tag)}")
+        raise InvalidArgument(f"reference {show(text)}: bad tag {show(tag)}")
     return registry, repository, (tag if colon else None), (digest if at else None)
 
 
@@ -121,7 +138,7 @@ class Reference:
     def __post_init__(self) -> None:
         # Built from parts, a Reference is checked like a parsed one.
         if _split(str(self)) != (self.registry, self.repository, self.tag, self.digest):
-            raise InvalidArgument(f"reference parts do not form a reference: {_show(str(self))}")
+            raise InvalidArgument(f"reference parts do not form a reference: {show(str(self))}")
 
     def __str__(self) -> str:
         text = f"{self.registry}/{self.repository}"

@@ -12,7 +12,6 @@ origin, from its own log).
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import threading
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from node_agent.api.pod_restores import RESTORE_FROM
 from testbed.bed import Bed, answers, ask, container_config, make_pod, pod_config, pod_detail, reconfigured
 from testbed.bed import remove_pod, wait_for
 from testbed.kubelet import Kubelet, StartedPod
-from testbed.layout import BedLayout
+from testbed.layout import BedLayout, write_hosts_toml
 from testbed.registry import Registry
 
 MEMHOG = ["/usr/local/bin/memhog", "--mib", "48", "--seed", "11", "--port", "8080", "--interval-ms", "100",
@@ -45,22 +44,10 @@ def cache(tmp_path_factory: pytest.TempPathFactory, origin: Registry) -> Iterato
 
 
 def _mirror(bed: Bed, origin: Registry, cache: Registry) -> Path:
-    directory = Path(BedLayout(bed.name).hosts_dir) / origin.host
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "hosts.toml"
-    path.write_text(f'server = "http://{origin.host}"\n\n'
-                    f'[host."http://{cache.host}"]\n  capabilities = ["pull", "resolve"]\n')
-    return path
-
-
-def _blobs(origin: Registry, repository: str, tag: str) -> tuple[set[str], int]:
-    """The digests of the checkpoint's blobs at the origin, and their bytes."""
-    status, body = origin.request("GET", f"/v2/{repository}/manifests/{tag}",
-                                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
-    assert status == 200, status
-    manifest = json.loads(body)
-    sizes = {d["digest"]: int(d["size"]) for d in [manifest["config"], *manifest["layers"]]}
-    return set(sizes), sum(sizes.values())
+    """The node's hosts.toml for the origin: the cache first, for pulls, then the origin itself."""
+    return write_hosts_toml(BedLayout(bed.name).hosts_dir, origin.host,
+                            f'server = "http://{origin.host}"\n\n'
+                            f'[host."http://{cache.host}"]\n  capabilities = ["pull", "resolve"]\n')
 
 
 def _replica(bed: Bed, namespace: str, ref: str, image: str) -> StartedPod:
@@ -85,7 +72,8 @@ def test_replicas_fan_out_through_a_pull_through_cache(
         tag = secrets.token_hex(3)
         ref = origin.ref(f"ckpts/fan:{tag}")
         agent.cli("push", ckpt, ref, "--plain-http")
-        digests, stored = _blobs(origin, "ckpts/fan", tag)
+        sizes = origin.manifest_blobs("ckpts/fan", tag)
+        digests, stored = set(sizes), sum(sizes.values())
         before = origin.blob_bytes_served(digests)
 
         rules = (f"restore:\n  pod-registries: [{origin.host}/ckpts]\n"

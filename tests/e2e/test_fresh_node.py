@@ -26,7 +26,7 @@ from testbed.bed import (
     wait_for,
 )
 from testbed.kubelet import Kubelet
-from testbed.layout import BedLayout
+from testbed.layout import BedLayout, write_hosts_toml
 from testbed.registry import Registry
 
 
@@ -39,9 +39,7 @@ def _ctr(bed: Bed, *args: str) -> str:
 
 def _point_at(bed: Bed, registry: Registry) -> None:
     """The node's hosts.toml for the registry: plain HTTP, for its containerd and its agent."""
-    directory = Path(BedLayout(bed.name).hosts_dir) / registry.host
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "hosts.toml").write_text(f'server = "http://{registry.host}"\n')
+    write_hosts_toml(BedLayout(bed.name).hosts_dir, registry.host, f'server = "http://{registry.host}"\n')
 
 
 @pytest.fixture(scope="module")

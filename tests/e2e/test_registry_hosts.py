@@ -23,7 +23,7 @@ import pytest
 
 from node_agent.api.pod_restores import RESTORE_FROM
 from testbed.bed import Bed, container_detail, counter_pod, reconfigured, remove_pod, ticks, wait_for
-from testbed.layout import BedLayout
+from testbed.layout import BedLayout, write_hosts_toml
 from testbed.registry import Registry
 from tests.e2e.test_cross_node import _cli_with_password
 from tests.e2e.test_tenancy import _sandbox
@@ -42,14 +42,6 @@ def down_registry() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _hosts_toml(bed: Bed, registry: str, text: str) -> Path:
-    directory = Path(BedLayout(bed.name).hosts_dir) / registry
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "hosts.toml"
-    path.write_text(text)
-    return path
 
 
 def _checkpoint_of_counter(agent: Bed, namespace: str) -> tuple[Any, str, int]:
@@ -86,7 +78,7 @@ def test_a_node_pulls_through_the_plain_http_mirror_its_hosts_toml_names(
         failed = node2.cli("pull", ref, check=False)
         assert failed.returncode != 0 and "UNAVAILABLE" in failed.stderr, failed.stderr
 
-        hosts = _hosts_toml(node2, down_registry, (
+        hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, down_registry, (
             f'server = "http://{down_registry}"\n\n'
             f'[host."http://{mirror.host}"]\n  capabilities = ["pull", "resolve"]\n'))
         try:
@@ -120,7 +112,7 @@ def test_the_nodes_logins_reach_a_private_registry_on_every_path_its_config_allo
         _cli_with_password(agent, "push", ckpt, ref, "--plain-http", "--username", "ops", password="s3cret")
 
         # Node 2's hosts.toml says the registry speaks plain HTTP; it has no login for it yet: the registry says no.
-        hosts = _hosts_toml(node2, registry.host, f'server = "http://{registry.host}"\n')
+        hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, registry.host, f'server = "http://{registry.host}"\n')
         refused = node2.cli("pull", ref, check=False)
         assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
 

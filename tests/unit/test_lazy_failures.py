@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from node_agent.lazy.session import LazySession
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replica, Replicas, now_rfc3339
 from node_agent.store import Store
-from testbed.httpanswers import answer
+from testbed.httpanswers import LoopbackServer, answer
 from test_fault_handler import CHILD, LAZY, PAGE, Restored, mm_image, pagemap_image, restored  # noqa: F401
 
 SANDBOX = "5a" * 32
@@ -56,38 +56,22 @@ class Gated:
     def __init__(self, blobs: dict[str, bytes]) -> None:
         self.blobs = blobs
         self.requests: list[str] = []
-        outer = self
+        self.server = LoopbackServer(self._respond, listen=False, name="gated")
+        self.port = self.server.port
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                outer.requests.append(self.path)
-                data = outer.blobs.get(self.path.rsplit("/", 1)[-1])
-                answer(self, 200 if data is not None else 404, data or b"")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
-        self.httpd.daemon_threads = True
-        self.httpd.server_bind()
-        self.port = int(self.httpd.server_address[1])
-        self.thread: threading.Thread | None = None
+    def _respond(self, handler: BaseHTTPRequestHandler) -> None:
+        self.requests.append(handler.path)
+        data = self.blobs.get(handler.path.rsplit("/", 1)[-1])
+        answer(handler, 200 if data is not None else 404, data or b"")
 
     def origin(self) -> dict[str, Any]:
         return {"reference": f"127.0.0.1:{self.port}/ckpt/web@sha256:" + "0" * 64, "plain_http": True}
 
     def open(self) -> None:
-        self.httpd.server_activate()
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="gated", daemon=True)
-        self.thread.start()
+        self.server.start()
 
     def close(self) -> None:
-        if self.thread is not None:
-            self.httpd.shutdown()
-            self.thread.join(10)
-        self.httpd.server_close()
+        self.server.stop()
 
 
 class Seen(logging.Handler):

@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:  # tests/unit is not a package: make the repositor
     sys.path.insert(0, str(REPO))
 
 from testbed.httpanswers import FakeServer, answer  # noqa: E402
+from testbed.layout import write_hosts_toml  # noqa: E402
 
 
 def _ok(handler: BaseHTTPRequestHandler) -> None:
@@ -46,11 +47,6 @@ def down() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _hosts(config: Path, registry: str, text: str) -> None:
-    (config / registry).mkdir(parents=True)
-    (config / registry / "hosts.toml").write_text(text)
 
 
 def _get(session: Session) -> str:
@@ -74,7 +70,7 @@ def _basic(user: str, password: str) -> str:
 def test_the_mirror_answers_first_with_its_headers_and_ns(tmp_path: Path, servers: list[FakeServer]) -> None:
     mirror, registry = FakeServer(_ok), FakeServer(_ok)
     servers += [mirror, registry]
-    _hosts(tmp_path, registry.netloc, (
+    write_hosts_toml(tmp_path, registry.netloc, (
         f'server = "http://{registry.netloc}"\n'
         f'[host."http://{mirror.netloc}"]\n  capabilities = ["pull", "resolve"]\n'
         f'  [host."http://{mirror.netloc}".header]\n    X-Tenant = "blue"\n'))
@@ -94,7 +90,7 @@ def test_a_mirror_that_is_down_or_lacks_it_leaves_the_request_to_the_next_host(
 ) -> None:
     empty, registry = FakeServer(_missing), FakeServer(_ok)
     servers += [empty, registry]
-    _hosts(tmp_path, registry.netloc, (
+    write_hosts_toml(tmp_path, registry.netloc, (
         f'server = "http://{registry.netloc}"\n[host."http://{down}"]\n[host."http://{empty.netloc}"]\n'))
     ref = parse_reference(f"{registry.netloc}/team/app:v1")
     with Route(ref, RegistryAccess(str(tmp_path)).endpoints(ref, "pull", Credentials()), actions="pull") as route:
@@ -110,7 +106,7 @@ def test_when_every_host_fails_the_error_is_the_registrys_naming_the_others(
 ) -> None:
     empty = FakeServer(_missing)
     servers.append(empty)
-    _hosts(tmp_path, down, f'server = "http://{down}"\n[host."http://{empty.netloc}"]\n')
+    write_hosts_toml(tmp_path, down, f'server = "http://{down}"\n[host."http://{empty.netloc}"]\n')
     ref = parse_reference(f"{down}/team/app:v1")
     with Route(ref, RegistryAccess(str(tmp_path)).endpoints(ref, "pull", Credentials()), actions="pull") as route:
         with pytest.raises(Unavailable) as info:
@@ -122,7 +118,7 @@ def test_when_every_host_fails_the_error_is_the_registrys_naming_the_others(
 def test_a_mirror_without_resolve_never_turns_a_tag_into_a_digest(tmp_path: Path, servers: list[FakeServer]) -> None:
     mirror, registry = FakeServer(_ok), FakeServer(_ok)
     servers += [mirror, registry]
-    _hosts(tmp_path, registry.netloc, (
+    write_hosts_toml(tmp_path, registry.netloc, (
         f'server = "http://{registry.netloc}"\n[host."http://{mirror.netloc}"]\n  capabilities = ["pull"]\n'))
     ref = parse_reference(f"{registry.netloc}/team/app:v1")
     access = RegistryAccess(str(tmp_path))
@@ -134,7 +130,7 @@ def test_a_mirror_without_resolve_never_turns_a_tag_into_a_digest(tmp_path: Path
 def test_each_login_goes_only_to_the_host_it_belongs_to(tmp_path: Path) -> None:
     registry, mirror, other = "127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"
     config = tmp_path / "certs.d"
-    _hosts(config, registry, f'server = "http://{registry}"\n[host."http://{mirror}"]\n')
+    write_hosts_toml(config, registry, f'server = "http://{registry}"\n[host."http://{mirror}"]\n')
     logins = tmp_path / "config.json"
     logins.write_text(json.dumps({"auths": {
         registry: {"auth": base64.b64encode(b"node:registry-pw").decode()},

@@ -21,16 +21,9 @@ from node_agent.registry.hosts import (
     host_directory,
     registry_hosts,
 )
+from testbed.layout import write_hosts_toml
 
 ALL = frozenset({"pull", "resolve", "push", "referrers"})
-
-
-def _hosts_toml(root: Path, directory: str, text: str) -> Path:
-    d = root / directory
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / "hosts.toml"
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 def _where(hosts: list[RegistryHost]) -> list[tuple[str, str, str, bool]]:
@@ -52,7 +45,7 @@ def test_a_missing_config_path_leaves_the_registry_alone(tmp_path: Path) -> None
 
 
 def test_an_empty_config_path_and_an_unrelated_directory_give_the_default(tmp_path: Path) -> None:
-    _hosts_toml(tmp_path, "other.example", 'server = "https://elsewhere.example"')
+    write_hosts_toml(tmp_path, "other.example", 'server = "https://elsewhere.example"')
     assert _where(registry_hosts("registry.example", "")) == [("https", "registry.example", "/v2", False)]
     assert _where(registry_hosts("registry.example", str(tmp_path))) == [("https", "registry.example", "/v2", False)]
     assert host_directory("registry.example", str(tmp_path)) is None
@@ -72,7 +65,7 @@ def test_docker_io_defaults_to_registry_1(tmp_path: Path) -> None:
 
 def test_directory_order_host_port_underscores_then_colon_then_default(tmp_path: Path) -> None:
     for name, server in (("reg.example_5000_", "one"), ("reg.example:5000", "two"), ("_default", "three")):
-        _hosts_toml(tmp_path, name, f'server = "https://{server}.example"')
+        write_hosts_toml(tmp_path, name, f'server = "https://{server}.example"')
     root = str(tmp_path)
     assert registry_hosts("reg.example:5000", root)[0].host == "one.example"
     assert host_directory("reg.example:5000", root) == str(tmp_path / "reg.example_5000_")
@@ -83,14 +76,14 @@ def test_directory_order_host_port_underscores_then_colon_then_default(tmp_path:
     os.rmdir(tmp_path / "reg.example:5000")
     assert registry_hosts("reg.example:5000", root)[0].host == "three.example"
     # A registry without a port: its own name, then _default.
-    _hosts_toml(tmp_path, "plain.example", 'server = "https://four.example"')
+    write_hosts_toml(tmp_path, "plain.example", 'server = "https://four.example"')
     assert registry_hosts("plain.example", root)[0].host == "four.example"
     assert registry_hosts("other.example", root)[0].host == "three.example"
 
 
 def test_an_existing_directory_wins_even_without_hosts_toml(tmp_path: Path) -> None:
     (tmp_path / "reg.example_5000_").mkdir()
-    _hosts_toml(tmp_path, "_default", 'server = "https://mirror.example"')
+    write_hosts_toml(tmp_path, "_default", 'server = "https://mirror.example"')
     (h,) = registry_hosts("reg.example:5000", str(tmp_path))
     assert h.host == "reg.example:5000"
 
@@ -98,10 +91,10 @@ def test_an_existing_directory_wins_even_without_hosts_toml(tmp_path: Path) -> N
 def test_config_path_may_list_several_roots(tmp_path: Path) -> None:
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
-    _hosts_toml(second, "reg.example", 'server = "https://from-b.example"')
-    _hosts_toml(second, "_default", 'server = "https://default-b.example"')
+    write_hosts_toml(second, "reg.example", 'server = "https://from-b.example"')
+    write_hosts_toml(second, "_default", 'server = "https://default-b.example"')
     assert registry_hosts("reg.example", f"{first}:{second}")[0].host == "from-b.example"
-    _hosts_toml(first, "_default", 'server = "https://default-a.example"')
+    write_hosts_toml(first, "_default", 'server = "https://default-a.example"')
     # The first root with any matching directory wins, _default included.
     assert registry_hosts("reg.example", f"{first}:{second}")[0].host == "default-a.example"
 
@@ -116,7 +109,7 @@ def test_a_file_where_a_directory_belongs_is_refused(tmp_path: Path) -> None:
 
 
 def test_mirrors_in_file_order_then_the_server(tmp_path: Path) -> None:
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "docker.io",
         """
@@ -149,7 +142,7 @@ server = "https://registry-1.docker.io"
 
 
 def test_capability_filtering_keeps_order_and_never_resolves_at_a_pull_only_mirror(tmp_path: Path) -> None:
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "reg.example",
         """
@@ -175,8 +168,8 @@ def test_capability_filtering_keeps_order_and_never_resolves_at_a_pull_only_mirr
 
 
 def test_root_capabilities_apply_to_a_named_server_only(tmp_path: Path) -> None:
-    _hosts_toml(tmp_path, "a.example", 'server = "https://a-server.example"\ncapabilities = ["pull"]\n')
-    _hosts_toml(tmp_path, "b.example", 'capabilities = ["pull"]\n')
+    write_hosts_toml(tmp_path, "a.example", 'server = "https://a-server.example"\ncapabilities = ["pull"]\n')
+    write_hosts_toml(tmp_path, "b.example", 'capabilities = ["pull"]\n')
     assert registry_hosts("a.example", str(tmp_path))[0].capabilities == frozenset({"pull"})
     # Without `server` the registry itself is the fallback, trusted with everything (as containerd does).
     (b,) = registry_hosts("b.example", str(tmp_path))
@@ -184,7 +177,7 @@ def test_root_capabilities_apply_to_a_named_server_only(tmp_path: Path) -> None:
 
 
 def test_unknown_capability_is_refused(tmp_path: Path) -> None:
-    path = _hosts_toml(tmp_path, "reg.example", '[host."https://m.example"]\ncapabilities = ["pull", "delete"]\n')
+    path = write_hosts_toml(tmp_path, "reg.example", '[host."https://m.example"]\ncapabilities = ["pull", "delete"]\n')
     with pytest.raises(InvalidArgument) as info:
         registry_hosts("reg.example", str(tmp_path))
     assert str(path) in str(info.value) and 'host."https://m.example".capabilities' in str(info.value)
@@ -210,13 +203,13 @@ def test_the_api_root_is_completed_with_v2_unless_override_path(
     tmp_path: Path, url: str, override: bool, want: tuple[str, str, str]
 ) -> None:
     flag = "true" if override else "false"
-    _hosts_toml(tmp_path, "reg.example", f'[host."{url}"]\noverride_path = {flag}\n')
+    write_hosts_toml(tmp_path, "reg.example", f'[host."{url}"]\noverride_path = {flag}\n')
     mirror = registry_hosts("reg.example", str(tmp_path))[0]
     assert (mirror.scheme, mirror.host, mirror.path) == want
 
 
 def test_override_path_urls(tmp_path: Path) -> None:
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "reg.example",
         'server = "https://proxy.example/api/registry"\noverride_path = true\n'
@@ -229,7 +222,7 @@ def test_override_path_urls(tmp_path: Path) -> None:
 
 def test_http_hosts_are_plain_http_unless_given_tls_settings(tmp_path: Path) -> None:
     (tmp_path / "ca.pem").write_text("x")
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "reg.example",
         """
@@ -268,7 +261,7 @@ def test_a_loopback_registry_with_nothing_configured_is_https_and_verified(tmp_p
 
 def test_ca_and_client_forms_with_relative_paths(tmp_path: Path) -> None:
     d = tmp_path / "reg.example"
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "reg.example",
         """
@@ -297,7 +290,7 @@ client = "client.pem"
 
 
 def test_headers_strings_and_lists_in_order(tmp_path: Path) -> None:
-    _hosts_toml(
+    write_hosts_toml(
         tmp_path,
         "reg.example",
         """
@@ -320,7 +313,7 @@ def test_headers_strings_and_lists_in_order(tmp_path: Path) -> None:
     [("1s", 1.0), ("500ms", 0.5), ("1m30s", 90.0), ("1.5h", 5400.0), ("0", 0.0), ("250us", 0.00025), ("+2s", 2.0)],
 )
 def test_dial_timeout_is_a_go_duration(tmp_path: Path, text: str, seconds: float) -> None:
-    _hosts_toml(tmp_path, "reg.example", f'[host."https://m.example"]\ndial_timeout = "{text}"\n')
+    write_hosts_toml(tmp_path, "reg.example", f'[host."https://m.example"]\ndial_timeout = "{text}"\n')
     assert registry_hosts("reg.example", str(tmp_path))[0].dial_timeout == pytest.approx(seconds)
 
 
@@ -340,7 +333,7 @@ def test_certs_d_fallback_without_hosts_toml(tmp_path: Path) -> None:
 
 
 def test_an_empty_hosts_toml_falls_back_to_certs_d(tmp_path: Path) -> None:
-    path = _hosts_toml(tmp_path, "reg.example", "")
+    path = write_hosts_toml(tmp_path, "reg.example", "")
     (path.parent / "ca.crt").write_text("x")
     (h,) = registry_hosts("reg.example", str(tmp_path))
     assert h.ca_files == (str(path.parent / "ca.crt"),)
@@ -350,7 +343,7 @@ def test_an_empty_hosts_toml_falls_back_to_certs_d(tmp_path: Path) -> None:
 
 
 def test_unknown_keys_are_ignored_and_proxy_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = _hosts_toml(
+    path = write_hosts_toml(
         tmp_path,
         "reg.example",
         """
@@ -407,21 +400,21 @@ future_key = 1
     ],
 )
 def test_malformed_hosts_toml_names_the_file_and_the_key(tmp_path: Path, text: str, key: str) -> None:
-    path = _hosts_toml(tmp_path, "reg.example", text)
+    path = write_hosts_toml(tmp_path, "reg.example", text)
     with pytest.raises(InvalidArgument) as info:
         registry_hosts("reg.example", str(tmp_path))
     assert str(path) in str(info.value) and key in str(info.value)
 
 
 def test_a_hosts_toml_over_one_mebibyte_is_refused(tmp_path: Path) -> None:
-    path = _hosts_toml(tmp_path, "reg.example", "# " + "x" * MAX_HOSTS_FILE + "\n")
+    path = write_hosts_toml(tmp_path, "reg.example", "# " + "x" * MAX_HOSTS_FILE + "\n")
     with pytest.raises(InvalidArgument, match="larger than") as info:
         registry_hosts("reg.example", str(tmp_path))
     assert str(path) in str(info.value)
 
 
 def test_a_hosts_toml_that_is_not_utf8_or_not_a_file_is_refused(tmp_path: Path) -> None:
-    path = _hosts_toml(tmp_path, "reg.example", "")
+    path = write_hosts_toml(tmp_path, "reg.example", "")
     path.write_bytes(b'server = "https://\xff.example"\n')
     with pytest.raises(InvalidArgument, match="UTF-8"):
         registry_hosts("reg.example", str(tmp_path))
@@ -463,7 +456,7 @@ def test_a_registry_name_that_is_not_host_port_is_refused(tmp_path: Path, regist
     config = tmp_path / "certs.d"
     config.mkdir()
     # A hosts.toml outside config_path that an escaping name would reach.
-    _hosts_toml(tmp_path, "outside", 'server = "https://escaped.example"')
+    write_hosts_toml(tmp_path, "outside", 'server = "https://escaped.example"')
     with pytest.raises(InvalidArgument, match="host\\[:port\\]"):
         registry_hosts(registry, str(config))
     with pytest.raises(InvalidArgument):
