@@ -64,6 +64,9 @@ INTEROP_DIR = "interop"
 # A task's pagemap in a container's images, and the pages file it describes.
 PAGEMAP_PATH = re.compile(r"^containers/([^/]+)/checkpoint/pagemap-([0-9]{1,10})\.img$")
 PAGES_PATH = re.compile(r"^containers/[^/]+/checkpoint/pages-[0-9]{1,10}\.img$")
+# What a restore through a Pod reads before its sandbox is made: the saved configs it
+# is admitted by (`load_saved`) and the CPU features it is checked against.
+SANDBOX_PATH = re.compile(r"^(pod/config\.json|pod/cpuinfo/[^/]+|containers/[^/]+/(config|spec)\.dump)$")
 
 
 def container_dir(name: str) -> str:

@@ -30,6 +30,7 @@ import secrets
 import shutil
 import uuid
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Mapping
 
 from criu_bridge import locks
@@ -215,19 +216,26 @@ class Restorer:
         self.lazy.done(entry.op_id)
         return result
 
-    def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None, lazy: bool = False) -> None:
+    def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None, lazy: bool = False, *,
+               containers: Collection[str] | None = None, devshm: bool = True) -> None:
         """Read and verify the files the restore needs into ``staging``.
 
         Lazily, the memory that can come on demand stays in the store: each
         such pages file is written sparse, with only its other pages in it.
+        ``containers`` (every one when None) names whose files come, and
+        ``devshm`` whether the pod's /dev/shm does. A chunk a pull left in
+        the registry is fetched from there (`store.origins`), verified alike.
         """
         store = source or self.store
         try:
-            sparse = lazy_pages_files(store, record) if lazy else {}
-            store.materialize(record, staging, prefix=podformat.CONTAINERS_DIR, exclude=set(sparse))
+            sparse = lazy_pages_files(store, record, containers) if lazy else {}
+            prefixes = ([podformat.CONTAINERS_DIR] if containers is None
+                        else [podformat.container_dir(c) for c in containers])
+            for prefix in prefixes:
+                store.materialize(record, staging, prefix=prefix, exclude=set(sparse))
             for path, pm in sparse.items():
                 write_sparse_pages(store, record, staging, path, pm)
-            if any(f.path == podformat.POD_DEVSHM for f in record.files):
+            if devshm and any(f.path == podformat.POD_DEVSHM for f in record.files):
                 store.materialize(record, staging, prefix=podformat.POD_DEVSHM)
         except errors.DataLoss as exc:
             raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
@@ -486,7 +494,7 @@ class RestoreRun:
                                           str(ccfg.get("log_path") or "")))
             if self.lazy:
                 await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
-                                     callers=req.source is not None, exists=self._exists(cid))
+                                     callers=req.source is not None, exists=container_exists(svc.cri, cid))
             self.created.append((cname, cid, nonce))
             self.progress(Progress("create", i + 1, len(saved.containers), message=cname))
 
@@ -520,20 +528,6 @@ class RestoreRun:
             self.progress(Progress("start", i + 1, len(self.created), message=cname))
         self.started = True
 
-    def _exists(self, container_id: str) -> Any:
-        cri = self.service.cri
-
-        async def exists() -> bool | None:
-            try:
-                await cri.container_status(container_id)
-            except errors.NotFound:
-                return False
-            except errors.AgentError:
-                return None  # not known now; asked again later
-            return True
-
-        return exists
-
     async def undo(self) -> bool:
         """Remove every sandbox and plan this restore created, then its journal entry; False: still pending.
 
@@ -542,6 +536,20 @@ class RestoreRun:
         """
         await self.service.lazy.cancel(self.entry.op_id)
         return await self.service.undoer.undo(self.entry)
+
+
+def container_exists(cri: CriClient, container_id: str) -> Callable[[], Awaitable[bool | None]]:
+    """Whether the container is there, asked of the runtime (None: not known now), for its page source."""
+    async def exists() -> bool | None:
+        try:
+            await cri.container_status(container_id)
+        except errors.NotFound:
+            return False
+        except errors.AgentError:
+            return None  # not known now; asked again later
+        return True
+
+    return exists
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

@@ -11,12 +11,15 @@ polling, the pause image's own pull) is left out; the order of these calls is no
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent.cri import CriClient
 from node_agent.errors import AgentError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class StartedPod:
     pulled: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     error: AgentError | None = None
+    seconds: list[float] = field(default_factory=list)  # how long each of `calls` took, in its order
 
 
 @dataclass(frozen=True)
@@ -53,40 +57,54 @@ class Kubelet:
         return next((s for s in self.secrets if s.registry == registry), None)
 
     async def start_pod(self, pod_config: Mapping[str, Any], containers: list[Mapping[str, Any]],
-                        runtime_handler: str = "") -> StartedPod:
+                        runtime_handler: str = "", *, sandboxed: Callable[[str], None] | None = None,
+                        client: CriClient | None = None) -> StartedPod:
         """RunPodSandbox, then each container: ImageStatus, PullImage if absent, CreateContainer, StartContainer.
 
         A failed RunPodSandbox raises the agent's error for its status (``node_agent.errors``); a later
         call that fails ends the start with ``error`` set, and what was made before it stays, as the
-        kubelet leaves it for its next sync.
+        kubelet leaves it for its next sync. ``sandboxed``, when given, is called with the sandbox's ID
+        once RunPodSandbox has returned, before anything else is asked (to look at the node between).
+        ``client``, when given, is a connection to the endpoint opened beforehand (left open), as the
+        kubelet's stays open across pods.
         """
         for c in containers:
             os.makedirs(os.path.join(str(pod_config["log_directory"]), str(c["metadata"]["name"])), exist_ok=True)
-        client = CriClient(self.endpoint, timeout=self.timeout)
+        cri = client if client is not None else CriClient(self.endpoint, timeout=self.timeout)
         try:
-            started = StartedPod(await client.run_pod(pod_config, runtime_handler))
+            m0 = time.monotonic()
+            started = StartedPod(await cri.run_pod(pod_config, runtime_handler))
             started.calls.append("RunPodSandbox")
+            started.seconds.append(time.monotonic() - m0)
+            if sandboxed is not None:
+                sandboxed(started.sandbox_id)
             try:
-                await self._containers(client, started, pod_config, containers)
+                await self._containers(cri, started, pod_config, containers)
             except AgentError as exc:
                 started.error = exc
             return started
         finally:
-            await client.close()
+            if client is None:
+                await cri.close()
 
     async def _containers(self, client: CriClient, started: StartedPod, pod_config: Mapping[str, Any],
                           containers: list[Mapping[str, Any]]) -> None:
+        async def call(name: str, step: Awaitable[T]) -> T:
+            started.calls.append(name)
+            m0 = time.monotonic()
+            try:
+                return await step
+            finally:
+                started.seconds.append(time.monotonic() - m0)
+
         for c in containers:
             image = str(c["image"]["image"])
-            started.calls.append("ImageStatus")
-            if not await client.image_present(image):
+            if not await call("ImageStatus", client.image_present(image)):
                 login = self._login(image)
-                started.calls.append("PullImage")
-                await client.pull_image(image, username=login.username if login else "",
-                                        password=login.password if login else "", timeout=self.timeout)
+                await call("PullImage", client.pull_image(image, username=login.username if login else "",
+                                                          password=login.password if login else "",
+                                                          timeout=self.timeout))
                 started.pulled.append(image)
-            started.calls.append("CreateContainer")
-            cid = await client.create_container(started.sandbox_id, c, pod_config)
+            cid = await call("CreateContainer", client.create_container(started.sandbox_id, c, pod_config))
             started.containers[str(c["metadata"]["name"])] = cid
-            started.calls.append("StartContainer")
-            await client.start_container(cid, timeout=self.timeout)
+            await call("StartContainer", client.start_container(cid, timeout=self.timeout))

@@ -1,14 +1,21 @@
 """Restore through a Pod: the kubelet's own calls restore a Pod annotated `restore-from`.
 
 `RunPodSandbox` of a Pod annotated `checkpoint.node-agent.io/restore-from`
-finds the checkpoint (pulling a registry reference), admits it, verifies its
-files into a staging directory and forwards the kubelet's request with the
-restore handler; `CreateContainer` of each checkpointed container appends
-the plan's mark and writes its restore plan; the kubelet's StartContainer
-then resumes the checkpointed process (the CRI endpoint verifies it).
-`RemoveContainer` and `RemovePodSandbox` take the plans and the state along.
-A container whose restore failed is not created again in its sandbox: the
-kubelet's CreateContainer of that name there is refused, naming the failure
+does only what must come before the sandbox: it finds the checkpoint (a
+registry reference is pulled with everything but its saved configs left in
+the registry, `lazy.remote.beyond_sandbox`), admits it, checks the node's
+CPU against it and forwards the kubelet's request with the restore handler.
+The kubelet pulls each container's image after that; `CreateContainer` of
+each checkpointed container checks the image is the checkpoint's, reads
+and verifies that container's files (and the pod's /dev/shm, before the
+first), fetching from the registry what is still there, appends the plan's
+mark and writes its restore plan. A lazy restore (the node's
+`lazy-restore`, no pre-dumped memory) leaves the memory to its page source,
+which streams it from the store or the registry once StartContainer
+restores the process (the CRI endpoint verifies it). `RemoveContainer` and
+`RemovePodSandbox` take the plans and the state along. A container whose
+restore failed is not created again in its sandbox: the kubelet's
+CreateContainer of that name there is refused, naming the failure
 (`restore.after-failed-restore`), instead of starting its image fresh in a
 pod that says it was restored.
 
@@ -18,7 +25,7 @@ one `restore.pod-sources` lets in, and any other gets the answer of one
 that does not exist; registry references only from `restore.pod-registries`,
 admitted before they are published; host access by annotation only in
 `restore.pod-host-access-namespaces`. The per-sandbox state survives an agent
-restart; its plaintext staging lives at most `timeouts.pod-staging`.
+restart; no plaintext is kept between the kubelet's calls.
 See docs/cri-endpoint.md and docs/security.md.
 """
 
@@ -31,23 +38,24 @@ import os
 import re
 import secrets
 import shutil
-import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 
 from criu_bridge.wrapper import PLAN_ANNOTATION
-from node_agent import devshm, errors, podimages, policy, runtime_handler
+from node_agent import devshm, errors, podformat, podimages, policy, runtime_handler
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent.admission import RestoreAdmission, RestoreOptions
 from node_agent.api.status import abort_with
 from node_agent.api.cri_proxy import CriProxy
+from node_agent.cancelling import thread_to_the_end
 from node_agent.checkpointing import Checkpointer
 from node_agent.cri.client import to_json
 from node_agent.options import boolean
 from node_agent.podformat import SavedPod, load_saved, namespace_of
 from node_agent.replicas import valid_id
-from node_agent.restoring import Restorer
+from node_agent.restoring import Restorer, container_exists
 from node_agent.store import CheckpointRecord, Store
 
 log = logging.getLogger(__name__)
@@ -69,16 +77,18 @@ class _PodRestore:
     options: tuple[str, ...]
     pending: list[str]  # checkpointed containers not created yet
     dir: str
-    staged_at: float = 0.0  # when `staging` was filled (time.time()); its plaintext expires
+    lazy: bool = False  # memory comes through page sources (decided once, at RunPodSandbox)
+    devshm: bool = False  # the pod's /dev/shm is still to be restored (by the first CreateContainer)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
-    def staging(self) -> str:
-        return os.path.join(self.dir, "staging")
+    def op(self) -> str:
+        """What the page sources of this Pod's containers are tracked under (`LazyRestores`)."""
+        return "pod-" + self.sandbox_id
 
     def save(self) -> None:
         doc = {"sandbox_id": self.sandbox_id, "checkpoint": self.checkpoint, "pod": self.pod,
-               "options": list(self.options), "pending": self.pending, "staged_at": self.staged_at}
+               "options": list(self.options), "pending": self.pending, "lazy": self.lazy, "devshm": self.devshm}
         path = os.path.join(self.dir, "state.json")
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(doc, fh)
@@ -88,12 +98,12 @@ class _PodRestore:
 
     @classmethod
     def load(cls, d: str) -> _PodRestore:
+        """The state `save` wrote; one from before restores were lazy (no `devshm`) restored /dev/shm already."""
         with open(os.path.join(d, "state.json"), encoding="utf-8") as fh:
             doc = json.load(fh)
-        staged_at = doc.get("staged_at")
         return cls(str(doc["sandbox_id"]), str(doc["checkpoint"]), str(doc["pod"]),
                    tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d,
-                   float(staged_at) if isinstance(staged_at, (int, float)) and not isinstance(staged_at, bool) else 0.0)
+                   doc.get("lazy") is True, doc.get("devshm") is True)
 
 
 class PodRestores:
@@ -121,6 +131,11 @@ class PodRestores:
             except (OSError, ValueError, KeyError, TypeError):
                 shutil.rmtree(d, ignore_errors=True)  # a sandbox that never finished being made
                 continue
+            # Verified files (plaintext) a CreateContainer cut short by a crash staged, or an agent from before
+            # lazy Pod restores kept between calls: a CreateContainer reads them again.
+            for entry in os.listdir(d):
+                if entry != "state.json":
+                    shutil.rmtree(os.path.join(d, entry), ignore_errors=True)
             self.restores[st.sandbox_id] = st
 
     async def prune(self) -> None:
@@ -141,25 +156,9 @@ class PodRestores:
             shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
         self.restorer.replicas.prune([i for i in recorded if i not in alive])
 
-    async def sweep(self, now: float | None = None) -> None:
-        """Forget restores whose sandbox is gone; drop staging older than `timeouts.pod-staging`.
-
-        Staging holds verified plaintext for containers the kubelet has not
-        created yet (a Pod may lack one of the checkpoint's containers for
-        good); CreateContainer reads it again from the store if it comes later.
-        """
+    async def sweep(self) -> None:
+        """Forget restores whose sandbox is gone (`prune`), periodically."""
         await self.prune()
-        limit = self.settings.timeouts.pod_staging
-        now = time.time() if now is None else now
-        for st in list(self.restores.values()):
-            if now - st.staged_at <= limit or not os.path.isdir(st.staging):
-                continue
-            async with st.lock:
-                if os.path.isdir(st.staging) and now - st.staged_at > limit:
-                    await asyncio.to_thread(shutil.rmtree, st.staging, True)
-                    log.info("pod %s: verified files of containers %s dropped after %gs (timeouts.pod-staging)",
-                             st.pod, ", ".join(st.pending) or "(none)", limit,
-                             extra={"pod": st.pod, "checkpoint": st.checkpoint, "phase": "staging"})
 
     async def run_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         req = cri.RunPodSandboxRequest.FromString(raw)
@@ -168,7 +167,6 @@ class PodRestores:
             return await self._forward_run(raw, context)
         meta = req.config.metadata
         where = f"{meta.namespace}/{meta.name}"
-        tmp = os.path.join(self.state_root, "new-" + secrets.token_hex(6))
         try:
             # The annotations are whoever may create Pods': held to the node's rules for them.
             allow = boolean(req.config.annotations.get(ALLOW_HOST_ACCESS, "false"), f"annotation {ALLOW_HOST_ACCESS}")
@@ -182,35 +180,28 @@ class PodRestores:
             admission.check_host_access(record, saved)
             await self.restorer.preflight(record, saved, images=False)  # the kubelet pulls them later
             await runtime_handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
-            os.makedirs(os.path.join(tmp, "staging"), mode=0o700)
-            await asyncio.to_thread(self.restorer.unpack, record, os.path.join(tmp, "staging"))
+            lazy = await self.restorer.lazy.wanted(None, record)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            shutil.rmtree(tmp, ignore_errors=True)
             await abort_with(context, _for_pod(exc, where, ref))
             raise  # not reached
         # The kubelet's request, byte for byte, with the restore handler appended
         # (a later occurrence of a scalar field wins when protobuf parses).
         override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
-        try:
-            resp_raw = await self._forward_run(raw + override, context)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        resp_raw = await self._forward_run(raw + override, context)
         pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
         st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
-                         os.path.join(self.state_root, pod_id), time.time())
+                         os.path.join(self.state_root, pod_id), lazy,
+                         any(f.path == podformat.POD_DEVSHM for f in record.files))
         try:
-            await devshm.restore(self.restorer.cri, os.path.join(tmp, "staging"), pod_id, where)
-            os.replace(tmp, st.dir)
+            os.makedirs(st.dir, mode=0o700)
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(st.dir, ignore_errors=True)
             await asyncio.shield(asyncio.ensure_future(self.restorer.undoer.remove_sandbox(pod_id, where)))
             await abort_with(context, _for_pod(exc, where, ref))
         self.restores[pod_id] = st
-        log.info("pod %s: sandbox %s made to restore checkpoint %s", where, pod_id[:13], record.id,
-                 extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
+        log.info("pod %s: sandbox %s made to restore checkpoint %s%s", where, pod_id[:13], record.id,
+                 " (lazily)" if lazy else "", extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
         return resp_raw
 
     async def _resolve_checkpoint(self, ref: str, namespace: str, where: str,
@@ -235,6 +226,7 @@ class PodRestores:
             if self._outside(record, saved, namespace):
                 raise missing
             return record, saved
+        from node_agent.lazy.remote import beyond_sandbox
         from node_agent.registry import Admission, Credentials, pull
         from node_agent.registry.reference import listed
 
@@ -258,8 +250,9 @@ class PodRestores:
         # otherwise whoever may create a Pod pulls with them whatever they can name.
         logins = self.settings.restore.pod_credentials
         node_logins = listed(ref, (*logins.get(namespace, ()), *logins.get("*", ())))
+        # Only the saved configs come now; the rest when the kubelet creates each container (or later, lazily).
         report = await asyncio.to_thread(lambda: pull(
-            self.store, ref, Credentials(), settings=self.settings.registry,
+            self.store, ref, Credentials(), settings=self.settings.registry, defer=partial(beyond_sandbox, self.store),
             min_free_bytes=self.settings.min_free_bytes, admit=admit, node_logins=node_logins))
         record = await asyncio.to_thread(self.store.get, report.checkpoint_id)
         saved = await asyncio.to_thread(load_saved, self.store, record)
@@ -298,46 +291,80 @@ class PodRestores:
         async with st.lock:
             if name not in st.pending:
                 return await self._forward_create(raw, context)
+            staging = os.path.join(st.dir, "staging-" + secrets.token_hex(6))
             try:
-                record = await asyncio.to_thread(self.store.get, st.checkpoint)
-                # The kubelet pulled the container's image just now: it must be the checkpoint's own.
-                saved = await asyncio.to_thread(load_saved, self.store, record)
-                await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
-                if not os.path.isdir(st.staging):  # dropped after timeouts.pod-staging: read and verified again
-                    os.makedirs(st.staging, mode=0o700)
-                    await asyncio.to_thread(self.restorer.unpack, record, st.staging)
-                    st.staged_at = time.time()
-                    st.save()
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-                shutil.rmtree(st.staging, ignore_errors=True)
-                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
-            # The kubelet's request, with the plan's mark appended (map
-            # entries of a later occurrence are merged in when protobuf parses).
-            nonce = secrets.token_hex(16)
-            mark = cri.CreateContainerRequest(config=cri.ContainerConfig(annotations={PLAN_ANNOTATION: nonce}))
-            resp_raw = await self._forward_create(raw + mark.SerializeToString(), context)
-            cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
-            plan_dir = os.path.join(self.settings.plans_dir, cid)
-            try:
-                await asyncio.to_thread(
-                    self.restorer.write_plan, record, st.staging, name, plan_dir, st.pod, st.options,
-                    nonce=nonce, mounts=to_json(req.config).get("mounts"), sandbox=st.sandbox_id,
-                    logs=(req.sandbox_config.log_directory, req.config.log_path),
-                )
-                st.pending.remove(name)
+                return await self._create_restored(raw, req, st, name, staging, context)
+            finally:
+                await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
+
+    async def _create_restored(self, raw: bytes, req: cri.CreateContainerRequest, st: _PodRestore, name: str,
+                               staging: str, context: grpc.aio.ServicerContext) -> bytes:
+        """One checkpointed container: its files read and verified, created with the plan's mark, its plan written.
+
+        The container's files come from the store, or from the registry where
+        the pull left them; lazily, its memory is left to its page source,
+        started once the plan is written. The pod's /dev/shm comes with the
+        first container, before any is started.
+        """
+        restorer = self.restorer
+        try:
+            record = await asyncio.to_thread(self.store.get, st.checkpoint)
+            # The kubelet pulled the container's image just now: it must be the checkpoint's own.
+            saved = await asyncio.to_thread(load_saved, self.store, record)
+            await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
+            os.makedirs(staging, mode=0o700)
+            # Cut off (the kubelet's deadline), the reading ends before its staging is removed.
+            await thread_to_the_end(restorer.unpack, record, staging, lazy=st.lazy, containers=(name,),
+                                    devshm=st.devshm)
+            if st.devshm:
+                await devshm.restore(restorer.cri, staging, st.sandbox_id, st.pod)
+                st.devshm = False
                 st.save()
-                if not st.pending:
-                    shutil.rmtree(st.staging, ignore_errors=True)
-            except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-                shutil.rmtree(plan_dir, ignore_errors=True)
-                try:
-                    await self.checkpointer.cri.remove_container(cid)
-                except errors.AgentError as rm_exc:
-                    log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
-                await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
-        log.info("pod %s: container %s (%s) will restore from checkpoint %s", st.pod, name, cid[:13], st.checkpoint,
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+            raise  # not reached
+        # The kubelet's request, with the plan's mark appended (map
+        # entries of a later occurrence are merged in when protobuf parses).
+        nonce = secrets.token_hex(16)
+        mark = cri.CreateContainerRequest(config=cri.ContainerConfig(annotations={PLAN_ANNOTATION: nonce}))
+        resp_raw = await self._forward_create(raw + mark.SerializeToString(), context)
+        cid = cri.CreateContainerResponse.FromString(resp_raw).container_id
+        plan_dir = os.path.join(self.settings.plans_dir, cid)
+        try:
+            await asyncio.to_thread(
+                restorer.write_plan, record, staging, name, plan_dir, st.pod, st.options, st.lazy,
+                nonce=nonce, mounts=to_json(req.config).get("mounts"), sandbox=st.sandbox_id,
+                logs=(req.sandbox_config.log_directory, req.config.log_path),
+            )
+            if st.lazy:
+                await restorer.lazy.start(st.op, self.store, record, st.pod, name, cid, plan_dir, callers=False,
+                                          exists=container_exists(restorer.cri, cid))
+                restorer.lazy.done(st.op)  # its page source goes on by itself
+            else:
+                await asyncio.to_thread(self._settle, record.id)
+            st.pending.remove(name)
+            st.save()
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await restorer.lazy.cancel(st.op)
+            shutil.rmtree(plan_dir, ignore_errors=True)
+            try:
+                await self.checkpointer.cri.remove_container(cid)
+            except errors.AgentError as rm_exc:
+                log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
+            await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+        log.info("pod %s: container %s (%s) will restore from checkpoint %s%s", st.pod, name, cid[:13], st.checkpoint,
+                 " (lazily)" if st.lazy else "",
                  extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
         return resp_raw
+
+    def _settle(self, checkpoint_id: str) -> None:
+        """A pulled checkpoint whose last blobs a restore just fetched from the registry is whole in the store now."""
+        try:
+            if self.store.origins.get(checkpoint_id) is not None and self.store.origins.settle(checkpoint_id):
+                log.info("checkpoint %s: every blob is in the store now", checkpoint_id,
+                         extra={"checkpoint": checkpoint_id})
+        except errors.AgentError as exc:
+            log.warning("checkpoint %s: %s", checkpoint_id, exc)
 
     async def remove_pod_sandbox(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """RemovePodSandbox, forwarded; then the restore plans of its containers and its restore state go.

@@ -92,9 +92,9 @@ class Timeouts(_Section, frozen=True):
     # fetch a chunk a lazy pull left in the registry (a registry that went
     # away for a moment) before the replica fails.
     lazy_fetch: Positive = 60.0
-    # How long a Pod restore keeps the verified files of the containers the
-    # kubelet has not created yet (plaintext); a later CreateContainer reads
-    # and verifies them again from the store.
+    # No longer used: a Pod restore keeps no verified files between the
+    # kubelet's calls (each CreateContainer reads its container's). Accepted
+    # so that configurations that set it still load.
     pod_staging: Positive = 300.0
 
 
@@ -106,8 +106,8 @@ class Retention(_Section, frozen=True):
     max_age_seconds: Count = 0
     # How often the daemon collects garbage (seconds); 0 turns it off.
     gc_interval: Count = 3600
-    # How often restore plans of removed containers, and Pod restores'
-    # expired staging (`timeouts.pod-staging`), are swept (seconds); 0: off.
+    # How often restore plans of removed containers, and the restore state
+    # of Pods whose sandbox is gone, are swept (seconds); 0: off.
     plan_sweep_interval: Count = 60
 
 

@@ -11,18 +11,23 @@ everything else as for a full restore, leaving out the files named here.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from node_agent import errors, podformat
 from node_agent.lazy import pagemap
 from node_agent.store import CheckpointRecord, Store
 
 
-def lazy_pages_files(store: Store, record: CheckpointRecord) -> dict[str, pagemap.Pagemap]:
-    """The pages files that hold memory a lazy restore may leave in the store, with their pagemaps."""
+def lazy_pages_files(store: Store, record: CheckpointRecord,
+                     containers: Collection[str] | None = None) -> dict[str, pagemap.Pagemap]:
+    """The pages files that hold memory a lazy restore may leave in the store, with their pagemaps.
+
+    Only those of ``containers`` when given.
+    """
     out: dict[str, pagemap.Pagemap] = {}
     for f in record.files:
         m = podformat.PAGEMAP_PATH.match(f.path)
-        if not m or f.is_dir:
+        if not m or f.is_dir or (containers is not None and m.group(1) not in containers):
             continue
         if f.size > pagemap.MAX_PAGEMAP_BYTES:
             raise pagemap.PagemapError(f"{f.path} is larger than {pagemap.MAX_PAGEMAP_BYTES} bytes")

@@ -445,6 +445,13 @@ def _lazy_from_registry(agent: Bed, registry: Any, ckpt: str) -> Iterator[tuple[
         yield b, ref
 
 
+def _stopped(agent: Bed, cid: str, says: str) -> Any:
+    """The container's detail once the runtime no longer reports it running and its CRI log `says` so (None
+    before: for wait_for)."""
+    d = container_detail(agent, cid)
+    return d if d.container.state != "CONTAINER_RUNNING" and _cri_log_says(d.log_path, says) else None
+
+
 def _restores(agent: Bed) -> list[dict[str, Any]]:
     return list(json.loads(agent.cli("restores", "-o", "json").stdout))
 
@@ -513,9 +520,10 @@ def test_a_lazy_replica_survives_a_registry_blip_and_fails_visibly_when_it_stays
                          timeout=90, what="the replica to fail")
                 (record,) = [r for r in _restores(agent) if r["container_id"] == cid]
                 assert "timeouts.lazy-fetch" in record["reason"], record
-                d = container_detail(agent, cid)
-                assert d.container.state != "CONTAINER_RUNNING"
-                assert _cri_log_says(d.log_path, "timeouts.lazy-fetch"), d.log_path
+                # Marked failed first, then killed and told in its log: the runtime reports the exit once it has
+                # reaped the processes.
+                d = wait_for(lambda: _stopped(agent, cid, "timeouts.lazy-fetch"), timeout=30,
+                             what="the runtime to see it stopped, its log to say why")
                 status = _status_via_agent(agent, cid)
                 assert status.reason == "RestoreFailed" and "timeouts.lazy-fetch" in status.message, status
             finally:
@@ -597,9 +605,8 @@ def test_a_corrupt_memory_chunk_stops_the_whole_restored_pod_and_says_why(agent:
                               if r["container_id"] in cids.values()} == {c: "failed" for c in cids.values()},
                      timeout=90, what="both restored containers to fail")
             for name, cid in cids.items():
-                d = container_detail(agent, cid)
-                assert d.container.state != "CONTAINER_RUNNING", name
-                assert _cri_log_says(d.log_path, "failed"), (name, d.log_path)
+                d = wait_for(lambda: _stopped(agent, cid, "failed"), timeout=30,
+                             what=f"the runtime to see {name} stopped, its log to say why")
                 status = _status_via_agent(agent, cid)
                 assert status.reason == "RestoreFailed" and status.message, (name, status)
             (server,) = [r for r in _restores(agent) if r["container_id"] == cids["server"]]

@@ -1,16 +1,16 @@
 """Plaintext lives only as long as docs/security.md says, on every path a restore can take.
 
 The agent seals a namespace's checkpoints; a Python server holds a secret that exists only in its
-memory. Restore plans and a Pod restore's staging hold that memory in the clear while they are
-needed. After each path the secret is searched for in the whole store (blobs, plans, staging,
-scratch), and found nowhere:
+memory. Restore plans hold that memory in the clear while they are needed. After each path the
+secret is searched for in the whole store (blobs, plans, Pod restores' state, scratch), and found
+nowhere:
 - restored and started (lazily, the default): the plan's data goes when the pages are in;
 - restored, never started, and its pod removed through containerd itself (not through the agent):
   the periodic sweep removes the plan (before, the search finds the secret there: it works);
 - a restore that fails at start (a forged checkpoint, refused by the image check): nothing stays;
-- restore through a Pod whose container the kubelet does not create yet: the staging expires after
-  `timeouts.pod-staging` (before, the search finds it there), a later CreateContainer reads the
-  checkpoint again and restores the same process, and RemovePodSandbox takes plan and state along.
+- restore through a Pod whose container the kubelet does not create yet: nothing is kept in the
+  clear between the kubelet's calls; its CreateContainer then reads the checkpoint and restores the
+  same process, and RemovePodSandbox takes plan and state along.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
     with reconfigured(agent, sealed):
         src = make_pod(agent, NS, [app])
         made: list[str] = []
+        pod = None
         try:
             before = wait_for(lambda: _ask(pod_detail(agent, src.id).ip), timeout=60, what="the server to answer")
             ckpt = agent.cli("checkpoint", src.id).stdout.split()[-1]
@@ -80,19 +81,11 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
             assert pods_in(agent, DST) == [] and _found(agent) == []
             agent.cli("checkpoints", "rm", forged)
 
-            # Restore through a Pod whose container is not created yet: staging holds it, then expires.
+            # Restore through a Pod whose container is not created yet: no plaintext between the kubelet's calls.
             pod = pod_via_agent(agent, NS, [], annotations={RESTORE_FROM: ckpt})
             state = Path(agent.store) / "cri-restores" / pod.id
-            assert _found(agent, f"cri-restores/{pod.id}/staging"), "staging holds the memory: the search works"
-        finally:
-            for pod_id in made:
-                remove_pod(agent, pod_id)
-            remove_pod(agent, src.id)
-    try:
-        with reconfigured(agent, sealed + "timeouts:\n  pod-staging: 1\n"):
-            wait_for(lambda: not (state / "staging").exists(), timeout=30, what="the staging to expire")
-            assert _found(agent) == [] and (state / "state.json").exists()
-            # The kubelet creates the container after all: read and verified again, the same process.
+            assert (state / "state.json").exists() and _found(agent) == []
+            # The kubelet creates the container: read and verified now, the same process.
             os.makedirs(os.path.join(pod.log_dir, "app"), exist_ok=True)
 
             async def create(client: Any) -> str:
@@ -114,5 +107,9 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
             assert not (Path(agent.store) / "plans" / cid).exists() and not state.exists()
             wait_for(lambda: _found(agent) == [], timeout=60, what="no plaintext left")
             agent.cli("checkpoints", "rm", ckpt)
-    finally:
-        remove_pod(agent, pod.id)
+        finally:
+            for pod_id in made:
+                remove_pod(agent, pod_id)
+            remove_pod(agent, src.id)
+            if pod is not None:
+                remove_pod(agent, pod.id)

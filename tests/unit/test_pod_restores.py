@@ -22,7 +22,7 @@ import pytest
 from node_agent.config.loading import from_mapping
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
-from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, PodRestores
+from node_agent.api.pod_restores import ALLOW_HOST_ACCESS, RESTORE_FROM, STATE_DIR, PodRestores
 from node_agent.keys import Keys
 from node_agent.podformat import load_saved
 from node_agent.registry.reference import listed
@@ -137,3 +137,28 @@ def test_a_registry_reference_is_listed_by_registry_or_repository() -> None:
     assert not listed("ghcr.example/team-b/ckpt:v1", allowed)
     assert not listed("registry.example:5001/x:v1", allowed) and not listed("registry.example/x:v1", allowed)
     assert not listed("registry.example:5000/x:v1", [])
+
+
+def test_restore_state_keeps_no_staged_files_across_a_restart(tmp_path: Path) -> None:
+    """An agent that starts finds each Pod restore's state, and nothing else: verified files a CreateContainer
+    cut short left, or that an agent from before lazy Pod restores kept between calls, are removed (they are
+    plaintext, and CreateContainer reads them again); such an old state had restored /dev/shm already."""
+    root = tmp_path / "store" / STATE_DIR
+    old, new = root / "sb-old", root / "sb-new"
+    for d in (old / "staging" / "containers", new / "staging-0123ab"):
+        d.mkdir(parents=True)
+    (old / "state.json").write_text(json.dumps({"sandbox_id": "sb-old", "checkpoint": "sha256:" + "a" * 64,
+                                                "pod": "ns/p", "options": [], "pending": ["c"], "staged_at": 5.0}))
+    (new / "state.json").write_text(json.dumps({"sandbox_id": "sb-new", "checkpoint": "sha256:" + "b" * 64,
+                                                "pod": "ns/q", "options": [], "pending": ["c"], "lazy": True,
+                                                "devshm": True}))
+    (root / "new-half").mkdir()  # a sandbox that never finished being made
+    settings = SimpleNamespace(store=str(tmp_path / "store"))
+    proxy = SimpleNamespace(unary_forwarder=lambda method: None)
+    restores = PodRestores(SimpleNamespace(settings=settings), SimpleNamespace(), SimpleNamespace(),  # type: ignore[arg-type]
+                           proxy)  # type: ignore[arg-type]
+    assert sorted(p.name for p in root.iterdir()) == ["sb-new", "sb-old"]
+    assert [p.name for p in old.iterdir()] == ["state.json"] and [p.name for p in new.iterdir()] == ["state.json"]
+    got = restores.restores
+    assert (got["sb-old"].lazy, got["sb-old"].devshm, got["sb-old"].pending) == (False, False, ["c"])
+    assert (got["sb-new"].lazy, got["sb-new"].devshm) == (True, True)
