@@ -169,6 +169,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
 
     remote = RemoteBlobs(store, settings=s.registry)
     store.origins.fetcher = remote  # chunks that lazy pulls left in their registries
+    store.origins.fetch_lanes = s.registry.connections
     report = await asyncio.to_thread(store.recover)
     log.info("store at %s: %s", s.store, report)
     journal = Journal(s.journal_dir)

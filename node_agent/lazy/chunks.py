@@ -19,7 +19,7 @@ from typing import Final
 
 from node_agent.errors import AgentError
 from node_agent.store.chunk_reader import ChunkReader
-from node_agent.store.documents import Chunk, FileEntry
+from node_agent.store.documents import ChunkFetch, FileEntry
 from node_agent.store.reading import read_or_fetch
 
 PAGE_SIZE: Final = 4096
@@ -36,7 +36,7 @@ class ChunkCache:
 
     def __init__(
         self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor,
-        fetch: Callable[[Chunk], None] | None = None, read_ahead: int = READ_AHEAD,
+        fetch: ChunkFetch | None = None, read_ahead: int = READ_AHEAD,
     ) -> None:
         self.read_ahead = max(READ_AHEAD, read_ahead)
         self.keep = max(CACHE_CHUNKS, 2 * self.read_ahead)

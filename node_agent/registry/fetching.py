@@ -138,15 +138,17 @@ class RemoteBlobs:
         tokens = self._tokens.setdefault(reference, TokenCache())
         return Route(ref, endpoints, timeout=self.timeout, settings=self.settings, actions="pull", tokens=tokens)
 
-    def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> None:
+    def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
+        """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already)."""
         start = time.monotonic()
         tries = 0
+        pieces: list[bytes] = []
         while True:
             tries += 1
             try:
                 with self._route(origin) as route, self.store.importer() as importer:
-                    _import_blob(route, importer, chunk.digest, chunk.stored_size, route.ref.digest or "?",
-                                 Tally(None))
+                    fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size, route.ref.digest or "?",
+                                           Tally(None), keep=pieces)
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 left = start + self.retry_for - time.monotonic()
@@ -169,6 +171,7 @@ class RemoteBlobs:
             log.warning("fetched blob %s from %s after %d tries (%.1fs)", chunk.digest, origin.get("reference"),
                         tries, time.monotonic() - start, extra={"phase": "lazy-fetch"})
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
+        return b"".join(pieces) if fetched else None
 
     def close(self) -> None:
         with self._lock:

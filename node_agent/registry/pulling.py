@@ -290,7 +290,8 @@ def _get_manifest(session: Session) -> tuple[bytes, str]:
 
 
 def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int, manifest: str, tally: Tally,
-                 budget: PullBudget | None = None, stopping: Stopping | None = None) -> None:
+                 budget: PullBudget | None = None, stopping: Stopping | None = None,
+                 keep: list[bytes] | None = None) -> bool:
     """Add one blob to the import; it is fetched only if the store does not have it.
 
     The importer records every blob it is given (so garbage collection keeps
@@ -299,6 +300,9 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
     body longer than ``size`` and the importer one that does not hash to
     ``digest``; ``budget`` counts each piece before it is written, and gives
     back what a host that failed half-way sent before the next host is asked.
+    Returns whether it was fetched; then ``keep``, when given, holds its
+    pieces (the blob's bytes the importer verified), for a reader that
+    needs them now.
     """
 
     def attempt(session: Session) -> bool:
@@ -309,6 +313,8 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
         def download() -> Generator[bytes, None, None]:
             nonlocal started, charged
             started = True
+            if keep is not None:
+                keep.clear()  # a host that failed half-way sent some
             what = f"downloading blob {digest}"
             url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
             with session.request("GET", url, what, follow_redirects=True, size=size) as resp:
@@ -322,6 +328,8 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
                     if budget is not None:
                         budget.charge(len(piece))
                         charged += len(piece)
+                    if keep is not None:
+                        keep.append(piece)
                     yield piece
 
         stream = download()
@@ -340,3 +348,5 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
 
     if not route.run(attempt):
         tally.skip(size)
+        return False
+    return True

@@ -351,7 +351,10 @@ class Store:
         tree = DestTree(dest_fd)
         try:
             check_dest_only_dirs(dest_path, dest_fd, prefix)
-            write_entries(self.chunks, record, entries, tree, self.workers, self.origins.fetch_for(record.id))
+            fetch = self.origins.fetch_for(record.id)
+            # Chunks still in a registry come over its connections: as many in flight as it serves at once.
+            workers = self.workers if fetch is None else max(self.workers, self.origins.fetch_lanes)
+            write_entries(self.chunks, record, entries, tree, workers, fetch)
         except BaseException as exc:
             tree.close()
             undo(dest_fd, tree.created)

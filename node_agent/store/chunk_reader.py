@@ -30,10 +30,10 @@ class ChunkReader:
         DataLoss when the blob is bad; FailedPrecondition naming the key id
         when it is sealed under a key no source has.
         """
-        return self._decode(chunk, self.blobs.read(chunk.digest, chunk.stored_size))
+        return self.decode_stored(chunk, self.blobs.read(chunk.digest, chunk.stored_size))
 
-    def _decode(self, chunk: Chunk, data: bytes) -> bytes:
-        """The content of a chunk's verified stored bytes (see ``read_chunk``)."""
+    def decode_stored(self, chunk: Chunk, data: bytes) -> bytes:
+        """The content of a chunk's stored bytes, verified by whoever read them (see ``read_chunk``)."""
         try:
             if chunk.sealed:
                 data = self._unseal(sealing.CHUNK, data, bytes.fromhex(digest_hex(chunk.plain)))
@@ -69,7 +69,7 @@ class ChunkReader:
         if problem is not None:
             return problem
         try:
-            self._decode(chunk, data)
+            self.decode_stored(chunk, data)
         except DataLoss as exc:
             return f"undecodable ({str(exc).removeprefix(f'blob {chunk.digest}: ')})"
         except FailedPrecondition as exc:

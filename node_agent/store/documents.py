@@ -15,7 +15,7 @@ module does no I/O.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal
@@ -575,3 +575,9 @@ def check_tree(entries: Sequence[FileEntry]) -> None:
             parent = parent.rsplit("/", 1)[0]
             if parent in files:
                 raise InvalidArgument(f"path {entry.path!r} lies under the regular file {parent!r}")
+
+
+ChunkFetch = Callable[[Chunk], "bytes | None"]
+"""``fetch(chunk)``: bring a chunk's blob that is not in the store yet from where it still is, verified, into the
+store; it returns the blob's stored bytes when it has them at hand (None: read them from the store), so that a
+reader need not read and hash again what was just fetched and verified."""

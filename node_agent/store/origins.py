@@ -25,11 +25,12 @@ from node_agent.oci import digest_hex
 from node_agent.store.blobs import BlobStore
 from node_agent.store.files import read_bounded
 from node_agent.store.index import Index
-from node_agent.store.documents import Chunk
+from node_agent.store.documents import Chunk, ChunkFetch
 from node_agent.store.records import CheckpointRecord
 
-Fetcher = Callable[[Mapping[str, Any], Chunk], None]
-"""``fetcher(origin, chunk)``: bring the chunk's blob from ``origin`` into the store, verified."""
+Fetcher = Callable[[Mapping[str, Any], Chunk], "bytes | None"]
+"""``fetcher(origin, chunk)``: bring the chunk's blob from ``origin`` into the store, verified; its stored bytes
+when it has them at hand (see ``ChunkFetch``)."""
 
 MAX_ORIGIN_BYTES: Final = 64 << 10
 PRUNE_AFTER_SECONDS: Final = 3600
@@ -43,6 +44,9 @@ class Origins:
         self.blobs = blobs
         self.index = index
         self.fetcher: Fetcher | None = None
+        # How many fetches ``fetcher`` serves at once (a registry's connections): a reader that fetches
+        # many chunks (``Store.materialize``) keeps that many in flight.
+        self.fetch_lanes = 1
 
     def _path(self, checkpoint_id: str) -> str:
         return os.path.join(self.dir, digest_hex(checkpoint_id) + ".json")
@@ -89,7 +93,7 @@ class Origins:
         self.forget(record.id)
         return True
 
-    def fetch_for(self, checkpoint_id: str, origin: Mapping[str, Any] | None = None) -> Callable[[Chunk], None] | None:
+    def fetch_for(self, checkpoint_id: str, origin: Mapping[str, Any] | None = None) -> ChunkFetch | None:
         """A fetcher of the checkpoint's missing chunks, or None if it has no origin.
 
         The origin is read once, here, unless the caller read it earlier and
@@ -102,13 +106,13 @@ class Origins:
             return None
         where = str(origin.get("reference"))
 
-        def fetch(chunk: Chunk) -> None:
+        def fetch(chunk: Chunk) -> bytes | None:
             if self.fetcher is None:
                 raise FailedPrecondition(
                     f"blob {chunk.digest} is still only in {where} (pulled lazily), "
                     "and nothing here can fetch it"
                 )
-            self.fetcher(origin, chunk)
+            return self.fetcher(origin, chunk)
 
         return fetch
 

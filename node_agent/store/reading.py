@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final
 from node_agent.errors import DataLoss, FailedPrecondition
 from node_agent.store.chunk_reader import ChunkReader
 from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW
-from node_agent.store.documents import Chunk, FileEntry, join_path
+from node_agent.store.documents import Chunk, ChunkFetch, FileEntry, join_path
 from node_agent.store.records import BadBlob, CheckpointRecord
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class FileReader(io.RawIOBase):
     """
 
     def __init__(
-        self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, *, fetch: Callable[[Chunk], None] | None = None
+        self, chunks: ChunkReader, checkpoint_id: str, entry: FileEntry, *, fetch: ChunkFetch | None = None
     ) -> None:
         super().__init__()
         self._chunks = chunks
@@ -137,10 +137,13 @@ class FileReader(io.RawIOBase):
             raise ValueError("I/O operation on a closed FileReader")
 
 
-def read_or_fetch(chunks: ChunkReader, chunk: Chunk, fetch: Callable[[Chunk], None] | None) -> bytes:
-    """A chunk's verified content; a missing blob is first fetched with ``fetch`` (a lazily pulled checkpoint)."""
+def read_or_fetch(chunks: ChunkReader, chunk: Chunk, fetch: ChunkFetch | None) -> bytes:
+    """A chunk's verified content; a missing blob is first fetched with ``fetch`` (a lazily pulled checkpoint),
+    and the stored bytes it verified on the way in are decoded as they are, not read and hashed again."""
     if fetch is not None and chunks.blobs.size_of(chunk.digest) is None:
-        fetch(chunk)
+        fetched = fetch(chunk)
+        if fetched is not None:
+            return chunks.decode_stored(chunk, fetched)
     return chunks.read_chunk(chunk)
 
 
@@ -202,7 +205,7 @@ class _Failure:
 
 def write_entries(
     reader: ChunkReader, record: CheckpointRecord, entries: Sequence[FileEntry], tree: DestTree, workers: int,
-    fetch: Callable[[Chunk], None] | None = None,
+    fetch: ChunkFetch | None = None,
 ) -> None:
     """Create ``entries`` under ``tree``: directories first, then files, their chunks written in parallel.
 

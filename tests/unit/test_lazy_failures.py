@@ -39,6 +39,7 @@ from node_agent.lazy.session import LazySession
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replica, Replicas, now_rfc3339
 from node_agent.store import Store
+from node_agent.store.reading import read_or_fetch
 from testbed.httpanswers import LoopbackServer, answer
 from test_fault_handler import CHILD, LAZY, PAGE, Restored, mm_image, pagemap_image, restored  # noqa: F401
 
@@ -133,6 +134,32 @@ def test_a_fetch_refused_for_a_while_is_tried_again_until_the_registry_answers(t
     finally:
         server.close()
         worker.join(30)
+        fetcher.close()
+
+
+def test_a_fetched_chunk_comes_back_verified_and_is_not_read_and_hashed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fetcher hands a reader the stored bytes it verified on the way in; a reader of a chunk already
+    in the store reads it from there, and the fetcher asks the registry for nothing."""
+    src, chunk, data = _chunk_store(tmp_path / "src")
+    dst = Store(tmp_path / "dst")
+    server = Gated({chunk.digest: data})
+    server.open()
+    fetcher = RemoteBlobs(dst)
+    reads: list[str] = []
+    real_read = dst.chunks.blobs.read
+    monkeypatch.setattr(dst.chunks.blobs, "read", lambda digest, size: reads.append(digest) or real_read(digest, size))
+    try:
+        def fetch(c: Any) -> bytes | None:
+            return fetcher(server.origin(), c)
+
+        content = read_or_fetch(dst.chunks, chunk, fetch)
+        assert content == src.chunks.read_chunk(chunk) and reads == [] and dst.has_blob(chunk.digest)
+        assert fetcher(server.origin(), chunk) is None and len(server.requests) == 1  # there already
+        assert read_or_fetch(dst.chunks, chunk, fetch) == content and reads == [chunk.digest]
+    finally:
+        server.close()
         fetcher.close()
 
 
