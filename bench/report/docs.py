@@ -3,8 +3,9 @@
 A generated block is what lies between a line `<!-- generated: NAME -->` and a line
 `<!-- end: NAME -->`: the tables and every measured figure. `render` fills each block of the
 file's text from the results files (bench/results.json, bench/encryption.json,
-bench/image_check.json) and leaves everything else as it is. Rule: no sentence here quotes a
-figure; prose that depends on the figures lives in docs/benchmarks.md, next to its block.
+bench/image_check.json, bench/crossnode.json) and leaves everything else as it is. Rule: no
+sentence here quotes a figure; prose that depends on the figures lives in docs/benchmarks.md,
+next to its block.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.report import crossnode as crossnode_results
 from bench.report import fmt, tables
 from bench.report.encryption import encryption_block
 from bench.report.image_check import image_check_block
@@ -139,16 +141,23 @@ def results_blocks(merged: dict[str, Any]) -> dict[str, str]:
 
 
 def render(text: str, merged: dict[str, Any], encryption: dict[str, Any] | None = None,
-           image_check: dict[str, Any] | None = None) -> str:
+           image_check: dict[str, Any] | None = None, crossnode: dict[str, Any] | None = None) -> str:
     """`text` (docs/benchmarks.md as it is) with every generated block filled from a results file (every
-    containerd version it holds) and from bench/encryption.py's and bench/image_check.py's results."""
+    containerd version it holds) and from bench/encryption.py's, bench/image_check.py's and
+    bench/crossnode.py's results."""
     blocks = results_blocks(merged)
     blocks["encryption"] = encryption_block(encryption)
     blocks["image-check"] = image_check_block(image_check)
+    blocks["crossnode"] = crossnode_results.crossnode_block(crossnode)
     return splice(text, blocks)
 
 
 def write(merged: dict[str, Any], encryption: dict[str, Any] | None = None,
-          image_check: dict[str, Any] | None = None, path: Path = DOCS) -> None:
-    """Fills the generated blocks of `path` in place."""
-    path.write_text(render(path.read_text(encoding="utf-8"), merged, encryption, image_check), encoding="utf-8")
+          image_check: dict[str, Any] | None = None, path: Path = DOCS,
+          crossnode: dict[str, Any] | None = None) -> None:
+    """Fills the generated blocks of `path` in place; the cross-node block from `crossnode`, by default from
+    bench/crossnode.json as it is."""
+    if crossnode is None:
+        crossnode = crossnode_results.load()
+    path.write_text(render(path.read_text(encoding="utf-8"), merged, encryption, image_check, crossnode),
+                    encoding="utf-8")

@@ -48,6 +48,7 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri import CriClient
 from node_agent.cri.client import grpc_target
 from testbed.bed import pod_config
+from testbed.layout import write_hosts_toml
 from testbed.registry import Registry
 
 T = TypeVar("T")
@@ -130,10 +131,8 @@ class Native:
         host = self.registry.host
         ref = self.registry.ref(f"{REPO_NAME}:{secrets.token_hex(4)}")
         self._ctr("images", "push", "--plain-http", ref, self.info["images"]["memhog"], what=f"push to {host}")
-        self.hosts_dir = Path(self.info["registry_hosts_dir"]) / host
-        self.hosts_dir.mkdir(parents=True, exist_ok=True)
-        (self.hosts_dir / "hosts.toml").write_text(
-            f'server = "http://{host}"\n\n[host."http://{host}"]\n  capabilities = ["pull", "resolve"]\n')
+        self.hosts_dir = write_hosts_toml(self.info["registry_hosts_dir"], host, (
+            f'server = "http://{host}"\n\n[host."http://{host}"]\n  capabilities = ["pull", "resolve"]\n')).parent
         self.refs.append(ref)
 
         async def pull(_rt: Any, img: Any) -> list[str]:

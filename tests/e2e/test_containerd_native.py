@@ -35,6 +35,7 @@ from node_agent._proto.k8s.cri.runtime.v1 import api_pb2_grpc as cri_grpc
 from node_agent.cri import CriClient
 from node_agent.interop.exporting import COMPRESSIONS
 from testbed.bed import Bed, container_config, container_detail, make_pod, pod_config, remove_pod, ticks, wait_for
+from testbed.layout import write_hosts_toml
 from testbed.registry import Registry
 
 CHECKPOINTCTL = os.environ.get("NODE_AGENT_E2E_CHECKPOINTCTL", "/opt/node-agent/containerd-2/bin/checkpointctl")
@@ -234,11 +235,9 @@ def loopback_image(agent: Bed, tmp_path: Path) -> Iterator[tuple[str, str]]:
     try:
         name = registry.ref("node-agent-test/busybox:1")
         ctr(agent, "images", "push", "--plain-http", name, agent.info["images"]["busybox"])
-        hosts.mkdir(parents=True)
-        (hosts / "hosts.toml").write_text(
-            f'server = "http://{registry.host}"\n\n'
-            f'[host."http://{registry.host}"]\n  capabilities = ["pull", "resolve"]\n'
-        )
+        write_hosts_toml(agent.info["registry_hosts_dir"], registry.host,
+                         f'server = "http://{registry.host}"\n\n'
+                         f'[host."http://{registry.host}"]\n  capabilities = ["pull", "resolve"]\n')
         names.append(name)
 
         async def pull() -> str:

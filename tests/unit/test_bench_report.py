@@ -1,8 +1,8 @@
 """The benchmarks' report: docs/benchmarks.md's generated blocks from the committed results, the statistics and
 the targets.
 
-Rendering the docs from bench/results.json, bench/encryption.json and
-bench/image_check.json into a copy of docs/benchmarks.md fills every block,
+Rendering the docs from bench/results.json, bench/encryption.json,
+bench/image_check.json and bench/crossnode.json into a copy of docs/benchmarks.md fills every block,
 changes nothing else, gives the committed file, and a second rendering
 changes nothing. The statistics and targets are checked on small samples
 and against what the committed results recorded.
@@ -10,15 +10,16 @@ and against what the committed results recorded.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.report import docs, encryption, fmt, image_check, results, stats, targets
+from bench.report import crossnode, docs, encryption, fmt, image_check, results, stats, targets
 
-BLOCKS = ["latest", "versions", "encryption", "image-check"]
+BLOCKS = ["latest", "versions", "encryption", "image-check", "crossnode"]
 
 
 def _committed() -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
@@ -65,6 +66,7 @@ def test_without_encryption_or_image_check_results_their_blocks_say_so() -> None
     blocks = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
     assert blocks["encryption"].strip().startswith("Not measured")
     assert blocks["image-check"].strip().startswith("Not measured")
+    assert blocks["crossnode"].strip().startswith("Not measured")
 
 
 def test_splice_replaces_only_the_blocks_and_refuses_blocks_it_cannot_fill() -> None:
@@ -171,3 +173,77 @@ def test_image_check_summary_is_the_median_of_each_variant() -> None:
     s = image_check.summary(raw)
     assert s["memhog"]["on_s"] == 1.1 and s["memhog"]["off_s"] == 1.0 and s["memhog"]["ratio"] == 1.1
     assert s["tasks"]["check_ms"] == 9.0 and s["tasks"]["check_tasks"] == 65
+
+
+GIB = 1 << 30
+
+
+def _crossnode_run(scale: float, wrong: list[str]) -> dict[str, Any]:
+    """One run of bench/crossnode.py's raw samples at one size, every time `scale` times a base."""
+    def pod(answer: float, busy: float) -> dict[str, Any]:
+        return {"sandbox_s": 0.4 * scale, "running_s": 0.9 * scale, "answer_s": answer * scale, "cpu_busy": busy}
+
+    return {
+        "cold": {"running_s": 0.2 * scale, "answer_s": 1.0 * scale, "cpu_busy": 0.5},
+        "same_node": {"running_s": 0.5 * scale, "answer_s": 0.8 * scale, "lazy": True, "cpu_busy": 0.6},
+        "cli": {"pull_s": 0.3 * scale, "restore_s": 0.5 * scale, "running_s": 0.8 * scale, "answer_s": 1.1 * scale,
+                "cpu_busy": 0.7},
+        "pod": pod(1.4, 0.9),
+        "fan_out": {"first": pod(2.0, 0.8), "first_origin_bytes": 2 * GIB,
+                    "two": {"b": pod(1.5, 1.0), "d": pod(1.6, 1.0)}, "two_answer_s": 1.7 * scale,
+                    "two_cpu_busy": 1.0, "two_origin_bytes": GIB // 20, "stored_bytes": GIB, "replicas": 3,
+                    "wrong": wrong},
+        "throughput": {"get": {"s": 1.0 * scale, "bytes": GIB, "connections": 8, "cpu_busy": 0.9},
+                       "pull": {"s": 1.2 * scale, "bytes": GIB, "cpu_busy": 0.95},
+                       "push": {"s": 1.5 * scale, "bytes": GIB, "cpu_busy": 0.97}},
+    }
+
+
+def _crossnode_doc() -> dict[str, Any]:
+    """A small fixed results file of bench/crossnode.py: two sizes, three runs each, one wrong answer."""
+    def size(mib: int, wrong: list[str]) -> dict[str, Any]:
+        runs = [_crossnode_run(x, wrong if x == 1.0 else []) for x in (1.0, 0.5, 2.0)]
+        return {"mib": mib, "weights_bytes": mib << 20, "image_pull_s": {"b": 3.0, "c": 2.0, "d": 4.0},
+                "checkpoint": {"id": "sha256:" + "ab" * 32, "stored_bytes": GIB, "blobs": 7},
+                "samples": [{"run": i + 1, **r} for i, r in enumerate(runs)]}
+
+    results = {"runs": 3, "connections": 8, "elapsed_s": 600.0, "loadavg": {"start": [0.5, 0.5, 0.5]},
+               "sizes": {"256": size(256, []), "1024": size(1024, ["Pod path on D: wrong answer: pid 9 != 7"])}}
+    machine = {"cores": 2, "memory_gib": 23.5, "containerd": "2.1.9", "runc": "1.3.6", "criu": "4.2.1",
+               "node_agent_commit": "0123456789ab"}
+    return {"date": "2026-12-03T10:00:00Z", "machine": machine, "results": results}
+
+
+def test_the_crossnode_block_renders_its_medians_targets_and_tables_from_a_fixed_sample(tmp_path: Path) -> None:
+    path = tmp_path / "crossnode.json"
+    path.write_text(json.dumps(_crossnode_doc()))
+    doc = crossnode.load(path)
+    assert doc is not None and crossnode.load(tmp_path / "absent.json") is None
+    s = doc["summary"]["1024"]
+    assert s["runs"] == 3 and s["pod_answer_s"] == 1.4 and s["same_node_answer_s"] == 0.8
+    assert s["get_mbps"] == pytest.approx(GIB / 1e6) and s["fan_two_origin"] == pytest.approx(0.05)
+    assert s["fan_replicas"] == 9 and s["fan_wrong"] == 1 and s["same_node_lazy"] is True
+    judged = {t["key"]: t for t in doc["targets"]}
+    assert list(judged) == ["xn_pod_same", "xn_cli_same", "xn_sandbox", "xn_pod_cold", "xn_pull", "xn_push",
+                            "xn_fan_origin", "xn_fan_answers"]
+    assert judged["xn_pod_same"]["ratio"] == pytest.approx(1.75) and judged["xn_pod_same"]["pass"] is False
+    assert judged["xn_cli_same"]["ratio"] == pytest.approx(1.375) and judged["xn_cli_same"]["pass"] is True
+    assert judged["xn_pull"]["ratio"] == pytest.approx(1.2) and judged["xn_push"]["pass"] is False
+    assert judged["xn_fan_origin"]["pass"] is True and judged["xn_fan_answers"]["pass"] is False
+    assert "CPU busy 90%" in judged["xn_pod_same"]["measured"], "a miss shows the machine's load beside it"
+
+    block = crossnode.crossnode_block(doc)
+    assert block.startswith("Measured 2026-12-03: 3 interleaved runs per size")
+    assert ("| 1024 MiB: Pod path on another node, first answer / same-node default restore's | 1.40 s (CPU busy "
+            "90%) vs 0.80 s (CPU busy 60%) | 1.75x | <= 1.50x | MISS (by 17%) |") in block
+    assert ("| fan-out: every replica answers correctly | 17 of 18 replicas, every size and run | 1 wrong | all "
+            "| MISS |") in block
+    assert ("| weights | runs | cold start on B | same node A, default restore | CLI path on B | Pod path on B | "
+            "fan-out: C, cache empty | fan-out: B and D at once |") in block
+    assert "| 256 MiB | 3 | 1.00 s | 0.80 s (lazy) | 1.10 s | 1.40 s | 2.00 s | 1.70 s |" in block
+    assert ("| 1024 MiB | 1024.0 MiB | 2.000x (2048.0 MiB) | 0.050x (51.2 MiB) | 1.00 s, 1074 MB/s (8 connections) "
+            "| 1.20 s, 895 MB/s | 1.50 s, 716 MB/s |") in block
+    text = docs.render(docs.DOCS.read_text(), *_committed(), crossnode=doc)
+    rendered = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
+    assert rendered["crossnode"].strip() == block.strip()
+    assert crossnode.text(doc).count("MISS") == 4

@@ -1,0 +1,274 @@
+"""The cross-node table (bench/crossnode.py's results): medians per size and column, the targets, the tables as
+text, and the "crossnode" block of docs/benchmarks.md.
+
+The results file keeps the raw samples (`results`); `load` computes the medians and judges the targets again
+from them, as this version of the report does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from bench.report import fmt, stats
+from bench.report.results import BENCH_DIR
+
+
+CROSSNODE_JSON = BENCH_DIR / "crossnode.json"
+SCHEMA = 1
+
+
+# The targets are judged at these weights sizes (MiB), else at the largest and the smallest measured.
+SMALL_MIB, LARGE_MIB = 256, 1024
+
+
+LIMITS = {"pod_same": 1.5, "cli_same": 1.5, "sandbox_s": 1.0, "pod_cold": 1.0, "pull_get": 1.3, "push_get": 1.3,
+          "fan_origin": 0.1}
+
+
+PATHS = ("cold", "same_node", "cli", "pod")
+TRANSFERS = ("get", "pull", "push", "put")
+Table = tuple[str, list[str], list[list[str]]]
+
+
+def _at(sample: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(sample, dict):
+            return None
+        sample = sample.get(key)
+    return sample
+
+
+def _med(samples: list[dict[str, Any]], *keys: str) -> float | None:
+    return stats.median([_at(s, *keys) for s in samples])
+
+
+def _share(samples: list[dict[str, Any]], stored: float, *keys: str) -> float | None:
+    """The median over the runs of a byte count as a share of the checkpoint's stored bytes."""
+    return stats.median([stats.div(_at(s, *keys), stored) for s in samples])
+
+
+def _rate(samples: list[dict[str, Any]], op: str) -> float | None:
+    """The median MB/s of a transfer of the throughput column."""
+    return stats.median([stats.div(_at(s, "throughput", op, "bytes"), _at(s, "throughput", op, "s")) for s in samples])
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """Medians per weights size (MiB, as keys) of bench/crossnode.py's raw samples."""
+    out: dict[str, Any] = {}
+    for mib, one in (results.get("sizes") or {}).items():
+        ss = one.get("samples") or []
+        stored = float(one["checkpoint"]["stored_bytes"])
+        row: dict[str, Any] = {"runs": len(ss), "stored_bytes": stored, "weights_bytes": one.get("weights_bytes"),
+                               "image_pull_s": stats.median(list((one.get("image_pull_s") or {}).values()))}
+        for path in PATHS:
+            for key in ("running_s", "answer_s", "cpu_busy"):
+                row[f"{path}_{key}"] = _med(ss, path, key)
+        row.update(cli_pull_s=_med(ss, "cli", "pull_s"), cli_restore_s=_med(ss, "cli", "restore_s"),
+                   pod_sandbox_s=_med(ss, "pod", "sandbox_s"))
+        lazy = [_at(s, "same_node", "lazy") for s in ss]
+        row["same_node_lazy"] = all(lazy) if lazy and None not in lazy else None
+        row.update(fan_first_answer_s=_med(ss, "fan_out", "first", "answer_s"),
+                   fan_first_origin=_share(ss, stored, "fan_out", "first_origin_bytes"),
+                   fan_two_answer_s=_med(ss, "fan_out", "two_answer_s"),
+                   fan_two_origin=_share(ss, stored, "fan_out", "two_origin_bytes"),
+                   fan_two_cpu_busy=_med(ss, "fan_out", "two_cpu_busy"),
+                   fan_replicas=sum(int(_at(s, "fan_out", "replicas") or 0) for s in ss),
+                   fan_wrong=sum(len(_at(s, "fan_out", "wrong") or []) for s in ss))
+        for op in TRANSFERS:
+            rate = _rate(ss, op)
+            row.update({f"{op}_s": _med(ss, "throughput", op, "s"), f"{op}_mbps": None if rate is None else rate / 1e6,
+                        f"{op}_cpu_busy": _med(ss, "throughput", op, "cpu_busy")})
+        row["connections"] = _med(ss, "throughput", "get", "connections")
+        out[mib] = row
+    return out
+
+
+def judged_sizes(summary_: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The sizes (as keys) the targets are judged at: the small one (256 MiB, else the smallest) and the large
+    one (1024 MiB, else the largest); one size measured is both."""
+    sizes = sorted(summary_, key=int)
+    if not sizes:
+        return None, None
+    small = str(SMALL_MIB) if str(SMALL_MIB) in sizes else sizes[0]
+    large = str(LARGE_MIB) if str(LARGE_MIB) in sizes else sizes[-1]
+    return small, large
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def _mbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} MB/s"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def _busy(seconds: float | None, cpu: float | None) -> str:
+    """A time with the machine's busy share over it: what bounds a path that misses on a loaded machine."""
+    return f"{fmt.s(seconds)} (CPU busy {_pct(cpu)})"
+
+
+def _check(key: str, title: str, measured: str, wrong: int) -> dict[str, Any]:
+    """A target that is a fact, not a ratio: it holds when nothing went wrong."""
+    return {"key": key, "title": title, "measured": measured, "ratio": float(wrong), "limit": 0.0, "op": "",
+            "unit": "check", "pass": wrong == 0, "margin_pct": None}
+
+
+def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets, each with its measured medians (and the machine's CPU, the registry's own bound) beside it."""
+    small, large = judged_sizes(summary_)
+    t: list[dict[str, Any]] = []
+    if large is None or small is None:
+        return t
+    a = summary_[large]
+    same = _busy(a["same_node_answer_s"], a["same_node_cpu_busy"])
+    t.append(fmt.target(
+        "xn_pod_same", f"{large} MiB: Pod path on another node, first answer / same-node default restore's",
+        f"{_busy(a['pod_answer_s'], a['pod_cpu_busy'])} vs {same}",
+        stats.div(a["pod_answer_s"], a["same_node_answer_s"]), LIMITS["pod_same"]))
+    t.append(fmt.target(
+        "xn_cli_same", f"{large} MiB: CLI path on another node (pull --lazy, restore), first answer / same-node "
+                       "default restore's",
+        f"{_busy(a['cli_answer_s'], a['cli_cpu_busy'])}, of it the pull {fmt.s(a['cli_pull_s'])}, vs {same}",
+        stats.div(a["cli_answer_s"], a["same_node_answer_s"]), LIMITS["cli_same"]))
+    t.append(fmt.target(
+        "xn_sandbox", f"{large} MiB: Pod path, RunPodSandbox", fmt.s(a["pod_sandbox_s"]),
+        stats.div(a["pod_sandbox_s"], LIMITS["sandbox_s"]), 1.0, unit=f"of {LIMITS['sandbox_s']:g} s"))
+    b = summary_[small]
+    t.append(fmt.target(
+        "xn_pod_cold", f"{small} MiB: Pod path on another node, first answer / a cold start on that node",
+        f"{_busy(b['pod_answer_s'], b['pod_cpu_busy'])} vs {_busy(b['cold_answer_s'], b['cold_cpu_busy'])}",
+        stats.div(b["pod_answer_s"], b["cold_answer_s"]), LIMITS["pod_cold"]))
+    bound = (f"the registry's GET bound {_busy(a['get_s'], a['get_cpu_busy'])}: {_mbps(a['get_mbps'])} on "
+             f"{a['connections'] or 0:.0f} connections")
+    # A push's registry hashes and stores every byte it is sent: its own upload of the same blobs (PUT bound)
+    # is what bounds a push on a machine whose cores the registry shares.
+    ingest = (f"; the registry's own upload of the same blobs (PUT bound) {_busy(a['put_s'], a['put_cpu_busy'])}: "
+              f"{_mbps(a['put_mbps'])}" if a.get("put_s") is not None else "")
+    for op, what, more in (("pull", "full pull", ""), ("push", "push", ingest)):
+        t.append(fmt.target(
+            f"xn_{op}", f"{large} MiB: {what} / the registry's GET bound",
+            f"{_busy(a[f'{op}_s'], a[f'{op}_cpu_busy'])}, {_mbps(a[f'{op}_mbps'])}, vs {bound}{more}",
+            stats.div(a[f"{op}_s"], a["get_s"]), LIMITS[f"{op}_get"]))
+    t.append(fmt.target(
+        "xn_fan_origin", f"{large} MiB: fan-out through a pull-through cache, origin bytes for the next two nodes "
+                         "at once / the checkpoint's",
+        f"{_x(a['fan_two_origin'])} of {fmt.mib(a['stored_bytes'])} (the first node: {_x(a['fan_first_origin'])})",
+        a["fan_two_origin"], LIMITS["fan_origin"], strict=True))
+    replicas = sum(r["fan_replicas"] for r in summary_.values())
+    wrong = sum(r["fan_wrong"] for r in summary_.values())
+    t.append(_check("xn_fan_answers", "fan-out: every replica answers correctly",
+                    f"{replicas - wrong} of {replicas} replicas, every size and run", wrong))
+    return t
+
+
+def build(machine: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The results file of one run: the machine, the raw samples, their medians and the targets."""
+    s = summary(results)
+    return {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "machine": machine, "results": results, "summary": s, "targets": targets(s)}
+
+
+def load(path: Path | None = None) -> dict[str, Any] | None:
+    """bench/crossnode.py's results file (or `path`), its medians and targets computed again; None where there
+    is none."""
+    try:
+        data = json.loads((path or CROSSNODE_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict) or "machine" not in data:
+        return None
+    data["summary"] = summary(data["results"])
+    data["targets"] = targets(data["summary"])
+    return data
+
+
+# ---- tables ------------------------------------------------------------------------------
+
+
+def _target_row(t: dict[str, Any]) -> list[str]:
+    if t["unit"] == "check":
+        return [t["title"], t["measured"], "all" if t["pass"] else f"{t['ratio']:.0f} wrong", "all",
+                "PASS" if t["pass"] else "MISS"]
+    return [t["title"], t["measured"], fmt.ratio(t), fmt.limit(t), fmt.verdict(t)]
+
+
+def _origin(share: float | None, stored: float) -> str:
+    return "-" if share is None else f"{_x(share)} ({fmt.mib(share * stored)})"
+
+
+def _rated(seconds: float | None, mbps: float | None) -> str:
+    return f"{fmt.s(seconds)}, {_mbps(mbps)}"
+
+
+def tables(doc: dict[str, Any]) -> list[Table]:
+    """(title, header, rows) of every table: the targets, the first answers, their parts, the registry, the CPU."""
+    s = doc["summary"]
+    rows = [(f"{m} MiB", s[m]) for m in sorted(s, key=int)]
+    cores = doc["machine"].get("cores") or "?"
+    lazy = {True: " (lazy)", False: " (full)", None: ""}
+    return [
+        ("Targets", ["target", "measured (median)", "ratio", "limit", "result"],
+         [_target_row(t) for t in doc["targets"]]),
+        ("First answer of the model server, from the request reaching the node (medians)",
+         ["weights", "runs", "cold start on B", "same node A, default restore", "CLI path on B", "Pod path on B",
+          "fan-out: C, cache empty", "fan-out: B and D at once"],
+         [[w, str(r["runs"]), fmt.s(r["cold_answer_s"]), fmt.s(r["same_node_answer_s"]) + lazy[r["same_node_lazy"]],
+           fmt.s(r["cli_answer_s"]), fmt.s(r["pod_answer_s"]), fmt.s(r["fan_first_answer_s"]),
+           fmt.s(r["fan_two_answer_s"])] for w, r in rows]),
+        ("The parts (medians; the image pull came before the runs and is in no column)",
+         ["weights", "CLI: pull --lazy", "CLI: restore --start", "CLI: pull + restore", "Pod: RunPodSandbox",
+          "Pod: the kubelet's calls", "same node: running", "cold: running", "image pull, per node"],
+         [[w, fmt.s(r["cli_pull_s"]), fmt.s(r["cli_restore_s"]), fmt.s(r["cli_running_s"]), fmt.s(r["pod_sandbox_s"]),
+           fmt.s(r["pod_running_s"]), fmt.s(r["same_node_running_s"]), fmt.s(r["cold_running_s"]),
+           fmt.s(r["image_pull_s"])] for w, r in rows]),
+        ("The registry (medians; bytes the origin served / the checkpoint's stored bytes)",
+         ["weights", "checkpoint stored", "origin: first node", "origin: next two at once", "GET bound",
+          "full pull", "push", "PUT bound"],
+         [[w, fmt.mib(r["stored_bytes"]), _origin(r["fan_first_origin"], r["stored_bytes"]),
+           _origin(r["fan_two_origin"], r["stored_bytes"]),
+           _rated(r["get_s"], r["get_mbps"]) + f" ({r['connections'] or 0:.0f} connections)",
+           _rated(r["pull_s"], r["pull_mbps"]), _rated(r["push_s"], r["push_mbps"]),
+           _rated(r["put_s"], r["put_mbps"])] for w, r in rows]),
+        (f"CPU busy over each interval (medians, share of all {cores} cores, /proc/stat)",
+         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
+          "PUT bound"],
+         [[w, *(_pct(r[f"{p}_cpu_busy"]) for p in PATHS), _pct(r["fan_two_cpu_busy"]),
+           *(_pct(r[f"{op}_cpu_busy"]) for op in TRANSFERS)] for w, r in rows]),
+    ]
+
+
+def _run_line(doc: dict[str, Any]) -> str:
+    m, r = doc["machine"], doc["results"]
+    runs = r.get("runs") or max((x["runs"] for x in doc["summary"].values()), default=0)
+    elapsed = "-" if r.get("elapsed_s") is None else f"{r['elapsed_s'] / 60:.1f} min"
+    line = (f"Measured {doc['date'][:10]}: {runs} interleaved run{'' if runs == 1 else 's'} per size, medians; weights "
+            f"{', '.join(sorted(doc['summary'], key=int))} MiB; four test beds on one machine ({m.get('cores', '?')} "
+            f"cores, {m.get('memory_gib', '?')} GiB); containerd {m.get('containerd', '?')}, runc "
+            f"{m.get('runc', '?')}, CRIU {m.get('criu', '?')}; registry.connections {r.get('connections', '?')}; "
+            f"node-agent {m.get('node_agent_commit', '?')}; load average "
+            f"{fmt.loadavg(r.get('loadavg'), m.get('cores'))}; {elapsed}.")
+    if runs < 3:
+        line = f"Fewer than 3 runs: not a measurement to rely on. {line}"
+    return textwrap.fill(line, width=104, break_on_hyphens=False) + "\n"
+
+
+def text(doc: dict[str, Any]) -> str:
+    """The tables as text, for the terminal."""
+    return "\n" + _run_line(doc) + "".join(f"\n{title}\n\n" + fmt.text_table(header, rows)
+                                          for title, header, rows in tables(doc))
+
+
+def crossnode_block(doc: dict[str, Any] | None) -> str:
+    """The "crossnode" block of docs/benchmarks.md: the run, the targets and the tables."""
+    if doc is None:
+        return f"Not measured: {CROSSNODE_JSON.name} holds no results of bench/crossnode.py.\n"
+    return _run_line(doc) + "".join(f"\n### {title}\n\n" + fmt.md_table(header, rows)
+                                    for title, header, rows in tables(doc))
