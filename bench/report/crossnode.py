@@ -98,21 +98,9 @@ def judged_sizes(summary_: dict[str, Any]) -> tuple[str | None, str | None]:
     return small, large
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:.0f}%"
-
-
-def _mbps(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0f} MB/s"
-
-
-def _x(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}x"
-
-
 def _busy(seconds: float | None, cpu: float | None) -> str:
     """A time with the machine's busy share over it: what bounds a path that misses on a loaded machine."""
-    return f"{fmt.s(seconds)} (CPU busy {_pct(cpu)})"
+    return f"{fmt.s(seconds)} (CPU busy {fmt.pct(cpu)})"
 
 
 def _check(key: str, title: str, measured: str, wrong: int) -> dict[str, Any]:
@@ -146,21 +134,21 @@ def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
         "xn_pod_cold", f"{small} MiB: Pod path on another node, first answer / a cold start on that node",
         f"{_busy(b['pod_answer_s'], b['pod_cpu_busy'])} vs {_busy(b['cold_answer_s'], b['cold_cpu_busy'])}",
         stats.div(b["pod_answer_s"], b["cold_answer_s"]), LIMITS["pod_cold"]))
-    bound = (f"the registry's GET bound {_busy(a['get_s'], a['get_cpu_busy'])}: {_mbps(a['get_mbps'])} on "
+    bound = (f"the registry's GET bound {_busy(a['get_s'], a['get_cpu_busy'])}: {fmt.mbps(a['get_mbps'])} on "
              f"{a['connections'] or 0:.0f} connections")
     # A push's registry hashes and stores every byte it is sent: its own upload of the same blobs (PUT bound)
     # is what bounds a push on a machine whose cores the registry shares.
     ingest = (f"; the registry's own upload of the same blobs (PUT bound) {_busy(a['put_s'], a['put_cpu_busy'])}: "
-              f"{_mbps(a['put_mbps'])}" if a.get("put_s") is not None else "")
+              f"{fmt.mbps(a['put_mbps'])}" if a.get("put_s") is not None else "")
     for op, what, more in (("pull", "full pull", ""), ("push", "push", ingest)):
         t.append(fmt.target(
             f"xn_{op}", f"{large} MiB: {what} / the registry's GET bound",
-            f"{_busy(a[f'{op}_s'], a[f'{op}_cpu_busy'])}, {_mbps(a[f'{op}_mbps'])}, vs {bound}{more}",
+            f"{_busy(a[f'{op}_s'], a[f'{op}_cpu_busy'])}, {fmt.mbps(a[f'{op}_mbps'])}, vs {bound}{more}",
             stats.div(a[f"{op}_s"], a["get_s"]), LIMITS[f"{op}_get"]))
     t.append(fmt.target(
         "xn_fan_origin", f"{large} MiB: fan-out through a pull-through cache, origin bytes for the next two nodes "
                          "at once / the checkpoint's",
-        f"{_x(a['fan_two_origin'])} of {fmt.mib(a['stored_bytes'])} (the first node: {_x(a['fan_first_origin'])})",
+        f"{fmt.times(a['fan_two_origin'])} of {fmt.mib(a['stored_bytes'])} (the first node: {fmt.times(a['fan_first_origin'])})",
         a["fan_two_origin"], LIMITS["fan_origin"], strict=True))
     replicas = sum(r["fan_replicas"] for r in summary_.values())
     wrong = sum(r["fan_wrong"] for r in summary_.values())
@@ -201,11 +189,11 @@ def _target_row(t: dict[str, Any]) -> list[str]:
 
 
 def _origin(share: float | None, stored: float) -> str:
-    return "-" if share is None else f"{_x(share)} ({fmt.mib(share * stored)})"
+    return "-" if share is None else f"{fmt.times(share)} ({fmt.mib(share * stored)})"
 
 
 def _rated(seconds: float | None, mbps: float | None) -> str:
-    return f"{fmt.s(seconds)}, {_mbps(mbps)}"
+    return f"{fmt.s(seconds)}, {fmt.mbps(mbps)}"
 
 
 def tables(doc: dict[str, Any]) -> list[Table]:
@@ -240,8 +228,8 @@ def tables(doc: dict[str, Any]) -> list[Table]:
         (f"CPU busy over each interval (medians, share of all {cores} cores, /proc/stat)",
          ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
           "PUT bound"],
-         [[w, *(_pct(r[f"{p}_cpu_busy"]) for p in PATHS), _pct(r["fan_two_cpu_busy"]),
-           *(_pct(r[f"{op}_cpu_busy"]) for op in TRANSFERS)] for w, r in rows]),
+         [[w, *(fmt.pct(r[f"{p}_cpu_busy"]) for p in PATHS), fmt.pct(r["fan_two_cpu_busy"]),
+           *(fmt.pct(r[f"{op}_cpu_busy"]) for op in TRANSFERS)] for w, r in rows]),
     ]
 
 

@@ -20,6 +20,20 @@ def mib(x: float | None) -> str:
     return "-" if x is None else f"{x / 1048576:.1f} MiB"
 
 
+def pct(x: float | None) -> str:
+    """A share (0..1) as a percentage."""
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def mbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} MB/s"
+
+
+def times(x: float | None) -> str:
+    """A ratio, as "0.006x"."""
+    return "-" if x is None else f"{x:.3f}x"
+
+
 def target(key: str, title: str, measured: str, ratio: float | None, limit: float, strict: bool = False,
             unit: str = "x") -> dict[str, Any]:
     ok: bool | None = None

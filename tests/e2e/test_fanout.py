@@ -15,6 +15,7 @@ import asyncio
 import secrets
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,31 @@ def _mirror(bed: Bed, origin: Registry, cache: Registry) -> Path:
                             f'[host."http://{cache.host}"]\n  capabilities = ["pull", "resolve"]\n')
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """A memhog pod's checkpoint pushed to an origin: its id, reference, the checksum memhog answered before,
+    and its blobs at the origin (digests, their stored bytes)."""
+
+    ckpt: str
+    ref: str
+    checksum: str
+    digests: set[str]
+    stored: int
+
+
+def push_memhog(agent: Bed, pod_id: str, origin: Registry, repository: str) -> Pushed:
+    """Once memhog in `pod_id` answers: its checksum, then its checkpoint pushed to `origin` under a new tag."""
+    ip = pod_detail(agent, pod_id).ip
+    wait_for(lambda: answers(ip), what="memhog to answer")
+    checksum = ask(ip).split("sum=")[1]
+    ckpt = agent.cli("checkpoint", pod_id).stdout.strip().splitlines()[-1]
+    tag = secrets.token_hex(3)
+    ref = origin.ref(f"{repository}:{tag}")
+    agent.cli("push", ckpt, ref, "--plain-http")
+    sizes = origin.manifest_blobs(repository, tag)
+    return Pushed(ckpt, ref, checksum, set(sizes), sum(sizes.values()))
+
+
 def _replica(bed: Bed, namespace: str, ref: str, image: str) -> StartedPod:
     pcfg = pod_config(bed, namespace, f"p-{secrets.token_hex(3)}")
     pcfg["annotations"] = {RESTORE_FROM: ref}
@@ -65,15 +91,8 @@ def test_replicas_fan_out_through_a_pull_through_cache(
     started: list[tuple[Bed, str]] = []
     ckpt = ""
     try:
-        ip = pod_detail(agent, src.id).ip
-        wait_for(lambda: answers(ip), what="memhog to answer")
-        checksum = ask(ip).split("sum=")[1]
-        ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
-        tag = secrets.token_hex(3)
-        ref = origin.ref(f"ckpts/fan:{tag}")
-        agent.cli("push", ckpt, ref, "--plain-http")
-        sizes = origin.manifest_blobs("ckpts/fan", tag)
-        digests, stored = set(sizes), sum(sizes.values())
+        pushed = push_memhog(agent, src.id, origin, "ckpts/fan")
+        ckpt, ref, checksum, digests, stored = pushed.ckpt, pushed.ref, pushed.checksum, pushed.digests, pushed.stored
         before = origin.blob_bytes_served(digests)
 
         rules = (f"restore:\n  pod-registries: [{origin.host}/ckpts]\n"

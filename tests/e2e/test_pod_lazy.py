@@ -32,6 +32,7 @@ from testbed.bed import remove_pod, wait_for
 from testbed.kubelet import Kubelet, StartedPod
 from testbed.layout import BedLayout, write_hosts_toml
 from testbed.registry import Registry
+from tests.e2e.test_fanout import push_memhog
 
 NS, DST = "e2e-plz", "e2e-plz-dst"
 MEMHOG = ["/usr/local/bin/memhog", "--mib", "64", "--seed", "23", "--port", "8080", "--interval-ms", "100",
@@ -58,15 +59,8 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
     made: list[str] = []
     ckpt = ""
     try:
-        ip = pod_detail(agent, src.id).ip
-        wait_for(lambda: answers(ip), what="memhog to answer")
-        checksum = ask(ip).split("sum=")[1]
-        ckpt = agent.cli("checkpoint", src.id).stdout.strip().splitlines()[-1]
-        tag = secrets.token_hex(3)
-        ref = origin.ref(f"ckpts/plz:{tag}")
-        agent.cli("push", ckpt, ref, "--plain-http")
-        sizes = origin.manifest_blobs("ckpts/plz", tag)
-        digests, stored = set(sizes), sum(sizes.values())
+        pushed = push_memhog(agent, src.id, origin, "ckpts/plz")
+        ckpt, ref, checksum, digests, stored = pushed.ckpt, pushed.ref, pushed.checksum, pushed.digests, pushed.stored
         origins = Path(node2.store) / "origins" / (digest_hex(ckpt) + ".json")
         rules = f"restore:\n  pod-registries: [{origin.host}/ckpts]\n  pod-sources:\n    {DST}: [{NS}]\n"
 
