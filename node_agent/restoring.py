@@ -29,8 +29,8 @@ import os
 import secrets
 import shutil
 import uuid
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from criu_bridge import locks
