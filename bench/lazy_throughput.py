@@ -15,7 +15,12 @@ one: testbed/lazyimages.py's UFFD_PROCESS), for N MiB of incompressible pages:
 * handler, read: the same while the process reads all of its memory from
   the start (faults and the stream side by side), timed by the handler.
 
-    .venv/bin/python bench/lazy_throughput.py [--mib 256] [--runs 3]
+With ``--registry``, the same pages pushed to a loopback docker-registry and
+pulled lazily (as on another node) are also read through the chunk cache and
+by the handler, beside the registry's own GET bound (every chunk read by a
+bare client over ``registry.connections`` connections):
+
+    .venv/bin/python bench/lazy_throughput.py [--mib 256] [--runs 3] [--registry]
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--registry", action="store_true",
+                    help="also from a loopback docker-registry, as a lazy pull on another node reads it")
     args = ap.parse_args()
     return measure(args)
 

@@ -245,6 +245,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
         await _settle_tasks(deadline)
     finally:
         await cri.close()
+        await asyncio.to_thread(remote.close)  # the blobs fetched last land in the store
 
 
 async def _settle_tasks(deadline: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import re
 import socket
 import ssl
@@ -318,6 +319,13 @@ class Registry:
     def ref(self, rest: str) -> str:
         """``127.0.0.1:PORT/<rest>``."""
         return f"{self.host}/{rest}"
+
+    def cpu_seconds(self) -> float:
+        """The CPU time (user and system, all its threads) the running registry has used so far, from /proc."""
+        assert self._proc is not None, "the registry is not running"
+        with open(f"/proc/{self._proc.pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
     def blob_data(self, digest: str) -> Path:
         """Where the registry keeps a blob's bytes (manifests are blobs too)."""

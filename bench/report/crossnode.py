@@ -65,7 +65,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"runs": len(ss), "stored_bytes": stored, "weights_bytes": one.get("weights_bytes"),
                                "image_pull_s": stats.median(list((one.get("image_pull_s") or {}).values()))}
         for path in PATHS:
-            for key in ("running_s", "answer_s", "cpu_busy"):
+            for key in ("running_s", "answer_s", "cpu_busy", "registry_cpu"):
                 row[f"{path}_{key}"] = _med(ss, path, key)
         row.update(cli_pull_s=_med(ss, "cli", "pull_s"), cli_restore_s=_med(ss, "cli", "restore_s"),
                    pod_sandbox_s=_med(ss, "pod", "sandbox_s"))
@@ -76,12 +76,14 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                    fan_two_answer_s=_med(ss, "fan_out", "two_answer_s"),
                    fan_two_origin=_share(ss, stored, "fan_out", "two_origin_bytes"),
                    fan_two_cpu_busy=_med(ss, "fan_out", "two_cpu_busy"),
+                   fan_two_registry_cpu=_med(ss, "fan_out", "two_registry_cpu"),
                    fan_replicas=sum(int(_at(s, "fan_out", "replicas") or 0) for s in ss),
                    fan_wrong=sum(len(_at(s, "fan_out", "wrong") or []) for s in ss))
         for op in TRANSFERS:
             rate = _rate(ss, op)
             row.update({f"{op}_s": _med(ss, "throughput", op, "s"), f"{op}_mbps": None if rate is None else rate / 1e6,
-                        f"{op}_cpu_busy": _med(ss, "throughput", op, "cpu_busy")})
+                        f"{op}_cpu_busy": _med(ss, "throughput", op, "cpu_busy"),
+                        f"{op}_registry_cpu": _med(ss, "throughput", op, "registry_cpu")})
         row["connections"] = _med(ss, "throughput", "get", "connections")
         out[mib] = row
     return out
@@ -98,9 +100,12 @@ def judged_sizes(summary_: dict[str, Any]) -> tuple[str | None, str | None]:
     return small, large
 
 
-def _busy(seconds: float | None, cpu: float | None) -> str:
-    """A time with the machine's busy share over it: what bounds a path that misses on a loaded machine."""
-    return f"{fmt.s(seconds)} (CPU busy {fmt.pct(cpu)})"
+def _busy(row: dict[str, Any], key: str, seconds: str = "answer_s") -> str:
+    """A column's time with the machine's busy share over it, and the registries' part of that where measured:
+    what bounds a path that misses on a loaded machine."""
+    registries = row.get(f"{key}_registry_cpu")
+    of_it = "" if registries is None else f", the registries {fmt.pct(registries)}"
+    return f"{fmt.s(row[f'{key}_{seconds}'])} (CPU busy {fmt.pct(row[f'{key}_cpu_busy'])}{of_it})"
 
 
 def _check(key: str, title: str, measured: str, wrong: int) -> dict[str, Any]:
@@ -116,15 +121,15 @@ def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
     if large is None or small is None:
         return t
     a = summary_[large]
-    same = _busy(a["same_node_answer_s"], a["same_node_cpu_busy"])
+    same = _busy(a, "same_node")
     t.append(fmt.target(
         "xn_pod_same", f"{large} MiB: Pod path on another node, first answer / same-node default restore's",
-        f"{_busy(a['pod_answer_s'], a['pod_cpu_busy'])} vs {same}",
+        f"{_busy(a, 'pod')} vs {same}",
         stats.div(a["pod_answer_s"], a["same_node_answer_s"]), LIMITS["pod_same"]))
     t.append(fmt.target(
         "xn_cli_same", f"{large} MiB: CLI path on another node (pull --lazy, restore), first answer / same-node "
                        "default restore's",
-        f"{_busy(a['cli_answer_s'], a['cli_cpu_busy'])}, of it the pull {fmt.s(a['cli_pull_s'])}, vs {same}",
+        f"{_busy(a, 'cli')}, of it the pull {fmt.s(a['cli_pull_s'])}, vs {same}",
         stats.div(a["cli_answer_s"], a["same_node_answer_s"]), LIMITS["cli_same"]))
     t.append(fmt.target(
         "xn_sandbox", f"{large} MiB: Pod path, RunPodSandbox", fmt.s(a["pod_sandbox_s"]),
@@ -132,18 +137,18 @@ def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
     b = summary_[small]
     t.append(fmt.target(
         "xn_pod_cold", f"{small} MiB: Pod path on another node, first answer / a cold start on that node",
-        f"{_busy(b['pod_answer_s'], b['pod_cpu_busy'])} vs {_busy(b['cold_answer_s'], b['cold_cpu_busy'])}",
+        f"{_busy(b, 'pod')} vs {_busy(b, 'cold')}",
         stats.div(b["pod_answer_s"], b["cold_answer_s"]), LIMITS["pod_cold"]))
-    bound = (f"the registry's GET bound {_busy(a['get_s'], a['get_cpu_busy'])}: {fmt.mbps(a['get_mbps'])} on "
+    bound = (f"the registry's GET bound {_busy(a, 'get', 's')}: {fmt.mbps(a['get_mbps'])} on "
              f"{a['connections'] or 0:.0f} connections")
     # A push's registry hashes and stores every byte it is sent: its own upload of the same blobs (PUT bound)
     # is what bounds a push on a machine whose cores the registry shares.
-    ingest = (f"; the registry's own upload of the same blobs (PUT bound) {_busy(a['put_s'], a['put_cpu_busy'])}: "
+    ingest = (f"; the registry's own upload of the same blobs (PUT bound) {_busy(a, 'put', 's')}: "
               f"{fmt.mbps(a['put_mbps'])}" if a.get("put_s") is not None else "")
     for op, what, more in (("pull", "full pull", ""), ("push", "push", ingest)):
         t.append(fmt.target(
             f"xn_{op}", f"{large} MiB: {what} / the registry's GET bound",
-            f"{_busy(a[f'{op}_s'], a[f'{op}_cpu_busy'])}, {fmt.mbps(a[f'{op}_mbps'])}, vs {bound}{more}",
+            f"{_busy(a, op, 's')}, {fmt.mbps(a[f'{op}_mbps'])}, vs {bound}{more}",
             stats.div(a[f"{op}_s"], a["get_s"]), LIMITS[f"{op}_get"]))
     t.append(fmt.target(
         "xn_fan_origin", f"{large} MiB: fan-out through a pull-through cache, origin bytes for the next two nodes "
@@ -230,6 +235,11 @@ def tables(doc: dict[str, Any]) -> list[Table]:
           "PUT bound"],
          [[w, *(fmt.pct(r[f"{p}_cpu_busy"]) for p in PATHS), fmt.pct(r["fan_two_cpu_busy"]),
            *(fmt.pct(r[f"{op}_cpu_busy"]) for op in TRANSFERS)] for w, r in rows]),
+        (f"Of it, the registries' CPU (the origin and the cache; medians, share of all {cores} cores, /proc/PID/stat)",
+         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
+          "PUT bound"],
+         [[w, *(fmt.pct(r.get(f"{p}_registry_cpu")) for p in PATHS), fmt.pct(r.get("fan_two_registry_cpu")),
+           *(fmt.pct(r.get(f"{op}_registry_cpu")) for op in TRANSFERS)] for w, r in rows]),
     ]
 
 

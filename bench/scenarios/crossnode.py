@@ -94,7 +94,7 @@ def measure(cluster: Cluster) -> dict[str, Any]:
                            "nodes": {"a": cluster.b.name, **{n: x.b.name for n, x in cluster.targets.items()}},
                            "loadavg": {"start": [round(x, 2) for x in os.getloadavg()]}}
     started = time.time()
-    cpu = CpuLog()
+    cpu = CpuLog(watch=cluster.registry_cpu)
     cpu.start()
     try:
         for mib in args.sizes:

@@ -96,6 +96,7 @@ class Cluster(Bench):
         self.origin: Registry | None = None
         self.cache: Registry | None = None
         self.caches = 0
+        self.retired_cpu = 0.0  # the CPU seconds of the caches stopped
         self.pulled: dict[str, str] = {}  # target -> the model image it pulled last
         self.connections = 8
 
@@ -103,6 +104,12 @@ class Cluster(Bench):
     def reg(self) -> Registry:
         assert self.origin is not None
         return self.origin
+
+    def registry_cpu(self) -> float:
+        """The CPU seconds the registries (the origin and every cache) have used so far: it only grows."""
+        cache = self.cache
+        return (self.origin.cpu_seconds() if self.origin is not None else 0.0) + self.retired_cpu + (
+            cache.cpu_seconds() if cache is not None else 0.0)
 
     # ---- set-up and tear-down ----------------------------------------------------
 
@@ -154,9 +161,10 @@ class Cluster(Bench):
         """A new, empty pull-through cache of the origin (the one before stopped and removed), the mirror of
         every target from now on."""
         if self.cache is not None:
-            self.cache.stop()
-            shutil.rmtree(self.cache.workdir, ignore_errors=True)
-            self.cache = None
+            cache, self.cache = self.cache, None  # no longer read by registry_cpu
+            self.retired_cpu += cache.cpu_seconds()
+            cache.stop()
+            shutil.rmtree(cache.workdir, ignore_errors=True)
         self.caches += 1
         cache = Registry(self.work / REGISTRIES / f"cache-{self.caches}", proxy=f"http://{self.reg.host}")
         cache.start()

@@ -44,13 +44,16 @@ PLAIN = pb.RegistryCredentials(plain_http=True)  # the origin and its caches spe
 
 
 class CpuLog:
-    """The machine's CPU time from /proc/stat, every core busy and in all, sampled in a thread every 50 ms, so
-    that the busy share of any interval of the run can be read afterwards."""
+    """The machine's CPU time from /proc/stat, every core busy and in all, and the CPU seconds of the processes
+    `watch` counts (the registries), sampled in a thread every 50 ms, so that the busy share of any interval of
+    the run, and the watched processes' share, can be read afterwards."""
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, watch: Callable[[], float] | None = None) -> None:
         self.interval = interval
+        self.watch = watch
         self.times: list[float] = []
         self.ticks: list[tuple[int, int]] = []  # (busy, all) in clock ticks, summed over the cores
+        self.watched: list[float] = []  # the watched processes' CPU seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-log", daemon=True)
 
@@ -66,19 +69,20 @@ class CpuLog:
         try:
             with open("/proc/stat", encoding="ascii") as fh:
                 fields = [int(x) for x in fh.readline().split()[1:9]]
-        except (OSError, ValueError):
+            watched = self.watch() if self.watch is not None else 0.0
+        except (OSError, ValueError, AssertionError):  # a registry stopping meanwhile: the next sample
             return
         # user nice system idle iowait irq softirq steal: idle and iowait are not busy
         self.ticks.append((sum(fields) - fields[3] - fields[4], sum(fields)))
+        self.watched.append(watched)
         self.times.append(time.monotonic())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    def busy(self, start: float, end: float) -> float | None:
-        """The busy share of all cores from `start` to `end` (monotonic seconds): between the last sample at
-        or before `start` and the first at or after `end`, waited for."""
+    def _around(self, start: float, end: float) -> tuple[int, int] | None:
+        """The samples at or before `start` and at or after `end` (waited for), if the clock moved between."""
         deadline = time.monotonic() + 1.0
         while (not self.times or self.times[-1] < end) and time.monotonic() < deadline:
             time.sleep(self.interval)
@@ -86,7 +90,18 @@ class CpuLog:
         j = bisect.bisect_left(self.times, end)
         if i < 0 or j >= len(self.times) or self.ticks[j][1] <= self.ticks[i][1]:
             return None
-        return round((self.ticks[j][0] - self.ticks[i][0]) / (self.ticks[j][1] - self.ticks[i][1]), 3)
+        return i, j
+
+    def span(self, start: float, end: float) -> dict[str, float | None]:
+        """Over `start` to `end`: the busy share of all cores (`cpu_busy`), and the share of all cores the watched
+        processes took (`registry_cpu`: of the busy share, what the registries serving the path used)."""
+        around = self._around(start, end)
+        if around is None:
+            return {"cpu_busy": None, "registry_cpu": None}
+        i, j = around
+        every = (self.ticks[j][1] - self.ticks[i][1]) / os.sysconf("SC_CLK_TCK")  # seconds of all cores
+        return {"cpu_busy": round((self.ticks[j][0] - self.ticks[i][0]) / (self.ticks[j][1] - self.ticks[i][1]), 3),
+                "registry_cpu": round((self.watched[j] - self.watched[i]) / every, 3) if self.watch else None}
 
 
 class Marked(FirstAnswer):
@@ -235,8 +250,9 @@ class Columns:
         self.cpu = cpu
         self.timeout = timeout
 
-    def _busy(self, start: float, seconds: float | None) -> float | None:
-        return None if seconds is None else self.cpu.busy(start, start + seconds)
+    def _cpu(self, start: float, seconds: float | None) -> dict[str, float | None]:
+        """The machine's CPU over `seconds` from `start`: busy, and the registries' share (`CpuLog.span`)."""
+        return {"cpu_busy": None, "registry_cpu": None} if seconds is None else self.cpu.span(start, start + seconds)
 
     # ---- 1, 2: cold start on B, the default restore on A --------------------------
 
@@ -246,7 +262,7 @@ class Columns:
         out = FirstAnswer(self.cluster.targets["b"]).cold(self.model.image_ref, self.model.ref, f"b{label}",
                                                           self.timeout)
         out.pop("body", None)
-        out["cpu_busy"] = self._busy(m, out["answer_s"])
+        out.update(self._cpu(m, out["answer_s"]))
         return out
 
     def same_node(self, label: str) -> dict[str, Any]:
@@ -254,7 +270,7 @@ class Columns:
         path = Marked(self.cluster)
         out = path.agent(self.model.ckpt, "default", self.model.ref, f"a{label}", self.timeout)
         out.pop("body", None)
-        out["cpu_busy"] = self._busy(path.opened, out["answer_s"])
+        out.update(self._cpu(path.opened, out["answer_s"]))
         return out
 
     # ---- 3: the CLI path on B ------------------------------------------------------
@@ -274,7 +290,7 @@ class Columns:
                 "restore_s": restore["running_s"], "running_s": round(pull_s + restore["running_s"], 4),
                 "restore_answer_s": restore["answer_s"], "answer_s": round(pull_s + restore["answer_s"], 4),
                 "lazy": restore.get("lazy"), "restore_all_in_s": restore.get("all_in_s"),
-                "cpu_busy": self.cpu.busy(m0, path.opened + restore["answer_s"])}
+                **self.cpu.span(m0, path.opened + restore["answer_s"])}
 
     # ---- 4, 5: the Pod path, on B alone and fanned out ----------------------------------
 
@@ -343,7 +359,7 @@ class Columns:
         """A Pod-path sample as the results keep it: the CPU over its interval, no clock readings."""
         m0, m1 = out.pop("m0", None), out.pop("m_answer", None)
         out.pop("t0", None)
-        out["cpu_busy"] = None if m0 is None or m1 is None else self.cpu.busy(m0, m1)
+        out.update(self._cpu(m0, None if m0 is None or m1 is None else m1 - m0))
         return out
 
     def pod(self, label: str) -> dict[str, Any]:
@@ -395,7 +411,7 @@ class Columns:
         return {"first": self._sample(first), "first_origin_bytes": after_first - before,
                 "two": {n: self._sample(x) for n, x in two.items()},
                 "two_answer_s": round(span[1] - span[0], 4) if span and len(two) == 2 else None,
-                "two_cpu_busy": self.cpu.busy(*span) if span else None,
+                **{f"two_{k}": v for k, v in (self.cpu.span(*span) if span else self._cpu(0, None)).items()},
                 "two_origin_bytes": after_two - after_first, "stored_bytes": self.model.stored,
                 "replicas": 3, "answered": 1 + len(two), "wrong": wrong}
 
@@ -406,7 +422,7 @@ class Columns:
         repository of the origin (every blob uploaded again)."""
         node, origin = self.cluster.targets["b"], self.cluster.reg
         get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
-        get["cpu_busy"] = self._busy(get.pop("m0"), get["s"])
+        get.update(self._cpu(get.pop("m0"), get["s"]))
         self.cluster.settle()
         self.cluster.point(node, None)
         try:
@@ -417,16 +433,16 @@ class Columns:
         if result.checkpoint_id != self.model.ckpt:
             raise BenchError(f"pull of {self.model.ckpt_ref} on B gave {result.checkpoint_id}")
         pull = {"s": round(took, 4), "bytes": int(result.bytes_transferred), "blobs": int(result.blobs_transferred),
-                "cpu_busy": self._busy(m0, took)}
+                **self._cpu(m0, took)}
         self.cluster.forget(node)
         self.cluster.settle()
         target = origin.ref(f"ckpts/push-{label}-{secrets.token_hex(3)}:t")
         result, m0, took = transfer(self.cluster, "Push", pb.PushRequest(
             checkpoint_id=self.model.ckpt, reference=target, credentials=PLAIN), self.timeout)
         push = {"s": round(took, 4), "bytes": int(result.bytes_transferred), "blobs": int(result.blobs_transferred),
-                "skipped": int(result.blobs_skipped), "cpu_busy": self._busy(m0, took)}
+                "skipped": int(result.blobs_skipped), **self._cpu(m0, took)}
         self.cluster.settle()
         put = put_bound(origin, f"ckpts/put-{label}-{secrets.token_hex(3)}", self.model.blobs,
                         os.path.join(self.cluster.b.store, "blobs", "sha256"), self.cluster.connections, self.timeout)
-        put["cpu_busy"] = self._busy(put.pop("m0"), put["s"])
+        put.update(self._cpu(put.pop("m0"), put["s"]))
         return {"get": get, "pull": pull, "push": push, "put": put}

@@ -5,7 +5,9 @@ measurement)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import functools
 import os
 import shutil
 import socket
@@ -15,30 +17,75 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.scenarios.crossnode_paths import CpuLog, get_bound
+from node_agent.config.schema import RegistrySettings
 from node_agent.lazy import uffd
+from node_agent.lazy.remote import memory_chunks
 from node_agent.lazy.chunks import ChunkCache
 from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
+from node_agent.registry import Credentials, pull, push
+from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import Store
 from testbed.lazyimages import LAZY, PAGE, UFFD_PROCESS, mm_image, pagemap_image
+from testbed.registry import Registry
 
 PAGES_PATH = "containers/c/checkpoint/pages-1.img"
+Span = tuple[float, float]
+"""When a stage began (monotonic seconds), and how long it took."""
 
 
-def _read_verify(store: Store, cid: str, size: int) -> float:
+class _Remote:
+    """The checkpoint pushed to a loopback docker-registry, and pulled from it lazily (its pages left there) by
+    as many stores as asked for: each reads them from the registry as a page source on another node would."""
+
+    def __init__(self, registry: Registry, store: Store, cid: str) -> None:
+        self.registry = registry
+        self.settings = RegistrySettings()
+        self.reference = registry.ref("bench/lazy:pages")
+        push(store, cid, self.reference, Credentials(plain_http=True), settings=self.settings)
+        self.blobs = [(c.digest, c.stored_size) for c in store.get(cid).entry(PAGES_PATH).chunks]
+
+    def pulled(self, root: Path) -> tuple[Store, str, dict[str, object]]:
+        """A new store at ``root`` with the checkpoint pulled lazily, able to fetch its pages; its id, its origin."""
+        store = Store(root)
+        report = pull(store, self.reference, Credentials(plain_http=True), settings=self.settings,
+                      defer=functools.partial(memory_chunks, store))
+        store.origins.fetcher = RemoteBlobs(store, settings=self.settings, retry_for=60.0)
+        store.origins.fetch_lanes = self.settings.connections
+        origin = store.origins.get(report.checkpoint_id)
+        assert origin is not None, "the lazy pull recorded no origin"
+        return store, report.checkpoint_id, origin
+
+
+def _get(remote: _Remote) -> Span:
+    """The registry's own bound: every chunk read by a bare client over as many connections, and discarded."""
+    bound = get_bound(remote.registry, "bench/lazy", remote.blobs, remote.settings.connections, 60)
+    return bound["m0"], bound["s"]
+
+
+def _read_verify(store: Store, cid: str, size: int, remote: _Remote | None = None, root: Path | None = None) -> Span:
+    """The pages file read through the page source's chunk cache, from ``store``, or, with ``remote``, from a
+    new lazy pull of the registry's checkpoint at ``root``."""
+    lanes = 1
+    if remote is not None and root is not None:
+        store, cid, origin = remote.pulled(root)
+        lanes = remote.settings.connections
     entry = store.get(cid).entry(PAGES_PATH)
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # as the page source sizes it
-        cache = ChunkCache(store.chunks, cid, entry, pool)
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2, lanes)) as pool:  # as the page source sizes it
+        fetch = store.origins.fetch_for(cid) if remote is not None else None
+        cache = ChunkCache(store.chunks, cid, entry, pool, fetch, read_ahead=lanes)
         t = time.monotonic()
         for _piece in cache.pieces(0, size):
             pass
-        return time.monotonic() - t
+        return t, time.monotonic() - t
 
 
-def _copy(size: int) -> float:
+def _copy(size: int) -> Span:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
@@ -58,40 +105,45 @@ def _copy(size: int) -> float:
         for off in range(0, size, window):
             _n, err = uffd.copy(fd, addr + off, base, min(window, size - off))
             assert err == 0, os.strerror(err)
-        return time.monotonic() - t
+        return t, time.monotonic() - t
     finally:
         os.close(fd)
         libc.munmap(addr, size)
 
 
-def _handler(root: Path, pages: int, read: bool) -> float:
+def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) -> Span:
+    """The fault handler filling a process of ``pages`` pages from a store of its own, or, with ``remote``,
+    from a new lazy pull of the registry's checkpoint."""
     proc = subprocess.Popen([sys.executable, str(UFFD_PROCESS), "42", str(pages)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     work = Path(tempfile.mkdtemp(dir=root))
     try:
         addr = int(proc.stdout.readline(), 16)
-        store = Store(work / "store")
-        with store.writer() as w:
-            w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image([(addr, pages, LAZY)]))
-            w.add_bytes(PAGES_PATH, os.urandom(pages * PAGE))
-            record = w.commit({"kind": "bench"})
+        if remote is None:
+            store = Store(work / "store")
+            with store.writer() as w:
+                w.add_bytes(PAGES_PATH, os.urandom(pages * PAGE))
+                cid, origin, lanes = w.commit({"kind": "bench"}).id, None, 1
+        else:
+            store, cid, origin = remote.pulled(work / "store")
+            lanes = remote.settings.connections
         images = work / "images"
         images.mkdir()
         (images / "pagemap-42.img").write_bytes(pagemap_image([(addr, pages, LAZY)]))
         (images / "mm-42.img").write_bytes(mm_image([(addr, addr + pages * PAGE)]))
-        source = Source(store, record.id, "c", str(images))
+        source = Source(store, cid, "c", str(images), origin, lanes=lanes)
         handler = Handler(source.maps, source.files, str(images), lambda fd, task: None)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(work / "s"))
         listener.listen(1)
-        took: list[float] = []
+        took: list[Span] = []
 
         def serve() -> None:
             conn = accept_restore(listener, 30)
             t = time.monotonic()
             handler.run(conn)
-            took.append(time.monotonic() - t)
+            took.append((t, time.monotonic() - t))
             conn.close()
 
         th = threading.Thread(target=serve)
@@ -120,23 +172,45 @@ def main(args: argparse.Namespace) -> int:
     """bench/lazy_throughput.py once its arguments are parsed."""
     size = args.mib << 20
     root = Path(tempfile.mkdtemp(prefix="na-lazy-throughput-"))
+    rows: dict[str, list[tuple[float, dict[str, float | None]]]] = {}
     try:
         store = Store(root / "store")
         with store.writer() as w:
             w.add_bytes(PAGES_PATH, os.urandom(size))
             cid = w.commit({"kind": "bench"}).id
-        rows: dict[str, list[float]] = {"read + verify": [], "UFFDIO_COPY": [], "handler, idle": [],
-                                        "handler, read": []}
-        for _ in range(args.runs):  # interleaved
-            rows["read + verify"].append(_read_verify(store, cid, size))
-            rows["UFFDIO_COPY"].append(_copy(size))
-            rows["handler, idle"].append(_handler(root, size // PAGE, read=False))
-            rows["handler, read"].append(_handler(root, size // PAGE, read=True))
+        with contextlib.ExitStack() as stack:
+            remote = _Remote(stack.enter_context(Registry(root / "registry")), store, cid) if args.registry else None
+            cpu = CpuLog(watch=remote.registry.cpu_seconds if remote is not None else None)
+            cpu.start()
+            stack.callback(cpu.stop)
+
+            def timed(name: str, stage: Callable[[], Span]) -> None:
+                """One stage's seconds, with the machine's CPU busy share over them and the registry's share."""
+                start, took = stage()
+                rows.setdefault(name, []).append((took, cpu.span(start, start + took)))
+
+            for n in range(args.runs):  # interleaved
+                timed("read + verify", lambda: _read_verify(store, cid, size))
+                timed("UFFDIO_COPY", lambda: _copy(size))
+                timed("handler, idle", lambda: _handler(root, size // PAGE, read=False))
+                timed("handler, read", lambda: _handler(root, size // PAGE, read=True))
+                if remote is not None:
+                    timed("registry: GET", lambda: _get(remote))
+                    timed("registry: read + verify",
+                          lambda: _read_verify(store, cid, size, remote, root / f"pulled-{n}"))
+                    timed("registry: handler, read", lambda: _handler(root, size // PAGE, read=True, remote=remote))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{args.mib} MiB of incompressible pages, median of {args.runs} interleaved runs, {os.cpu_count()} cores")
-    print(f"{'stage':<16}  {'seconds':>8}  {'MB/s':>8}")
-    for name, times in rows.items():
-        med = statistics.median(times)
-        print(f"{name:<16}  {med:8.3f}  {size / med / 1e6:8.0f}")
+    print(f"{args.mib} MiB of incompressible pages, median of {args.runs} interleaved runs, {os.cpu_count()} cores;")
+    print("CPU busy: of all cores, over the stage; registry: the share of all cores the registry took")
+    print(f"{'stage':<24}  {'seconds':>8}  {'MB/s':>8}  {'CPU busy':>8}  {'registry':>8}")
+    for name, samples in rows.items():
+        med = statistics.median(took for took, _ in samples)
+        shares = [_median_pct([c[key] for _, c in samples]) for key in ("cpu_busy", "registry_cpu")]
+        print(f"{name:<24}  {med:8.3f}  {size / med / 1e6:8.0f}  {shares[0]:>8}  {shares[1]:>8}")
     return 0
+
+
+def _median_pct(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.0%}" if known else "-"

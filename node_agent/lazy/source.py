@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         registry = config.get("registry")
         retry_for = config.get("lazy_fetch")
         settings = parse_registry(registry) if isinstance(registry, dict) else None
-        store.origins.fetcher = RemoteBlobs(
+        fetcher = store.origins.fetcher = RemoteBlobs(
             store, passwords=passwords, settings=settings,
             retry_for=float(retry_for) if isinstance(retry_for, (int, float)) and not isinstance(retry_for, bool)
             else 60.0)
@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             over.set()
         took = time.monotonic() - start
+        fetcher.drain()  # every chunk fetched is in the store before the agent hears it is done
         pages = handler.copied // PAGE_SIZE
         log.info("filled %d of %d lazy pages (%d faults) in %.2fs", pages, handler.total_pages, handler.faults, took)
         outcome: dict[str, object] = {"pages": pages, "total": handler.total_pages, "transfer_seconds": round(took, 3),

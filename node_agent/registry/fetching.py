@@ -5,7 +5,9 @@ in the registry, and its origin recorded in the store (the reference,
 pinned by digest, and how to reach the registry; never a password). When a
 reader needs such a chunk (a lazy restore's page source, mostly), it is
 downloaded, verified against its digest and linked into the store like any
-pulled blob, so each chunk crosses the network once.
+pulled blob, so each chunk crosses the network once. The reader gets the
+verified bytes at once; the blob's fsync and link follow in a thread of
+their own (``drain`` waits for them, as ``Origins.settle`` does).
 
 A reader that cannot wait for the registry to come back fails at once; a
 page source, whose restored process is already running, retries a fetch
@@ -23,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, Protocol
 
 from node_agent.config.schema import RegistrySettings
@@ -30,7 +33,7 @@ from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from node_agent.registry.auth import Credentials, TokenCache
 from node_agent.registry.endpoints import RegistryAccess, Route
 from node_agent.registry.failures import log_failure
-from node_agent.registry.ports import BlobSink, Record
+from node_agent.registry.ports import BlobImporter, BlobSink, Record
 from node_agent.registry.pulling import _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
@@ -98,6 +101,8 @@ class RemoteBlobs:
         self._open: dict[str, int] = {}  # reference -> routes made (in use or idle)
         self._tokens: dict[str, TokenCache] = {}  # reference -> the bearer tokens its routes share
         self._lock = threading.Condition()
+        self._ender: ThreadPoolExecutor | None = None  # ends each fetch's import once its blob is linked
+        self._ending: list[Future[None]] = []
         self.fetched = 0
 
     def remember_password(self, reference: str, password: str) -> None:
@@ -146,9 +151,15 @@ class RemoteBlobs:
         while True:
             tries += 1
             try:
-                with self._route(origin) as route, self.store.importer() as importer:
-                    fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size, route.ref.digest or "?",
-                                           Tally(None), keep=pieces)
+                with self._route(origin) as route:
+                    importer = self.store.importer()
+                    try:
+                        fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size,
+                                               route.ref.digest or "?", Tally(None), keep=pieces)
+                    except BaseException:
+                        importer.abort()
+                        raise
+                self._end_later(importer, chunk.digest)
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 left = start + self.retry_for - time.monotonic()
@@ -173,7 +184,36 @@ class RemoteBlobs:
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
         return b"".join(pieces) if fetched else None
 
+    def _end_later(self, importer: BlobImporter[Record], digest: str) -> None:
+        """End a fetch's import once its blob is durable and linked, in a thread of its own: the reader that
+        fetched it has its verified bytes already."""
+        def end() -> None:
+            try:
+                importer.wait_linked()
+            except Exception as exc:  # noqa: BLE001 - the bytes served their reader; the next one fetches again
+                log.warning("blob %s was fetched and verified, but the store could not keep it: %s", digest, exc)
+            finally:
+                importer.abort()
+
+        with self._lock:
+            if self._ender is None:
+                self._ender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-end")
+            self._ending = [f for f in self._ending if not f.done()]
+            self._ending.append(self._ender.submit(end))
+
+    def drain(self) -> None:
+        """Wait until every blob fetched so far is in the store (or the failure to keep it is logged)."""
+        with self._lock:
+            ending, self._ending = self._ending, []
+        for future in ending:
+            future.exception()
+
     def close(self) -> None:
+        self.drain()
+        with self._lock:
+            ender, self._ender = self._ender, None
+        if ender is not None:
+            ender.shutdown(wait=True)
         with self._lock:
             for routes in self._idle.values():
                 for route in routes:

@@ -57,6 +57,9 @@ class BlobImporter(Protocol[R_co]):
     def add_blob(self, digest: str, size: int, stream: Iterable[bytes]) -> None:
         """Store a verified blob; one already present is recorded without reading ``stream``."""
 
+    def wait_linked(self) -> None:
+        """Wait until every blob added so far is durable and in the store."""
+
     def stage(self, manifest: bytes, *, deferred: Collection[str] = ()) -> R_co:
         """Validate the manifest, require its blobs, store it; the record of the checkpoint, not yet published."""
 

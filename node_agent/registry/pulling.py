@@ -214,6 +214,7 @@ def _pull(
             try:
                 if defer is not None:
                     _import_blob(route, importer, config.digest, config.size, digest, Tally(None), budget)
+                    importer.wait_linked()  # read from the store next
                     deferred = set(defer(config.digest, config.size)) - {config.digest}
                     blobs = [(d, size) for d, size in blobs if d not in deferred]
                     budget.plan([(d, size) for d, size in blobs if d != config.digest], "what a lazy pull brings now")

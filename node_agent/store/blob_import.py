@@ -1,10 +1,13 @@
 """Moving checkpoints between stores: blobs in one by one, then the manifest.
 
 Rule: imported bytes and documents are hostile. ``add_blob`` streams a blob
-into the importer's ingest directory while hashing it, and links it into
-the blob directory only when its size and digest match (fsynced first, so
-a blob that survives a crash is whole); from then on the importer's lease
-keeps it until commit or abort, and a later import finds it present.
+into the importer's ingest directory while hashing it, and returns once its
+size and digest match; link threads then fsync it and link it into the
+blob directory (so a blob that survives a crash is whole, and the fsync
+holds up neither the next blob nor a reader that kept the verified bytes).
+From then on the importer's lease keeps it until commit or abort, and a
+later import finds it present. ``wait_linked`` waits for every blob added
+so far; ``stage`` and ``abort`` wait for them first.
 ``stage`` validates the manifest and config like any stored document,
 requires every blob they name to be present and stores the manifest blob:
 the checkpoint is then whole and readable through its record, but
@@ -28,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Collection, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _READ_SIZE: Final = 1 << 20
+_LINKERS: Final = 4  # fsyncs at once: several, so that a pull's lanes seldom wait for a link thread
 _NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
 
 
@@ -104,6 +109,9 @@ class BlobImporter:
         self._lock = threading.Lock()
         self._linked = False
         self._brought: set[str] = set()  # blobs this import linked in (they were not stored before)
+        self._linker: ThreadPoolExecutor | None = None
+        self._links: list[Future[None]] = []  # blobs verified, being made durable and linked
+        self._link_failed: BaseException | None = None
         self._staged: tuple[str, bytes, CheckpointManifest, CheckpointConfig | None, dict[str, int]] | None = None
         self._provenance = PULLED
         self.blobs_added = 0
@@ -118,6 +126,7 @@ class BlobImporter:
     ) -> None:
         if self._state != "committed":
             self.abort(exc)
+        self._stop_linking()
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -128,7 +137,8 @@ class BlobImporter:
 
         A blob already present (or already added here) is skipped without
         reading the stream. Bytes that don't match the size or digest are
-        DataLoss and nothing is kept.
+        DataLoss and nothing is kept. Returns once the bytes are verified;
+        the blob is durable and in the blob directory after ``wait_linked``.
         """
         self._check_open()
         digest_hex(digest)
@@ -143,19 +153,59 @@ class BlobImporter:
                     self.blobs_skipped += 1
                 return
             self._receive(temp, digest, size, stream)
-            self._blobs.link_in(temp, digest)
         except BaseException as exc:
-            self._ingest.forget(digest)
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
+            self._unclaim(digest, temp)
             if isinstance(exc, OSError):
                 raise os_error(exc, f"importing blob {digest}") from exc
             raise
+        with self._lock:
+            if self._linker is None:
+                self._linker = ThreadPoolExecutor(max_workers=_LINKERS, thread_name_prefix="import-link")
+            self._links.append(self._linker.submit(self._link, temp, digest, size))
+
+    def _unclaim(self, digest: str, temp: str) -> None:
+        self._ingest.forget(digest)
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+    def _link(self, temp: str, digest: str, size: int) -> None:
+        """Make a verified blob durable, then link it into the blob directory (a link thread)."""
+        try:
+            fd = os.open(temp, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._blobs.link_in(temp, digest)
+        except BaseException as exc:
+            self._unclaim(digest, temp)
+            failure = os_error(exc, f"importing blob {digest}") if isinstance(exc, OSError) else exc
+            with self._lock:
+                self._link_failed = self._link_failed or failure
+            raise failure from exc
         with self._lock:
             self._linked = True
             self._brought.add(digest)
             self.blobs_added += 1
             self.bytes_added += size
+
+    def wait_linked(self) -> None:
+        """Wait until every blob added so far is durable and linked; the first that could not be raises."""
+        with self._lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.exception()  # recorded in _link_failed
+        if self._link_failed is not None:
+            raise self._link_failed
+
+    def _stop_linking(self) -> None:
+        """Wait for the link threads and end them; a failure is left to whoever waits with ``wait_linked``."""
+        with contextlib.suppress(BaseException):
+            self.wait_linked()
+        with self._lock:
+            linker, self._linker = self._linker, None
+        if linker is not None:
+            linker.shutdown(wait=True)
 
     def _receive(self, temp: str, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
         hasher = hashlib.sha256()
@@ -173,7 +223,6 @@ class BlobImporter:
             actual = "sha256:" + hasher.hexdigest()
             if actual != digest:
                 raise DataLoss(f"blob {digest}: received bytes hash to {actual}")
-            os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -194,6 +243,7 @@ class BlobImporter:
         """
         self._check_open()
         try:
+            self.wait_linked()
             check_provenance(provenance)
             data = bytes(manifest)
             doc = decode_manifest(data, error=InvalidArgument, what="imported manifest")
@@ -258,6 +308,7 @@ class BlobImporter:
             if isinstance(exc, OSError):
                 raise os_error(exc, "committing an imported checkpoint") from exc
             raise
+        self._stop_linking()  # every blob is linked (``stage`` waited): the link threads end
         self._ingest.release()
         self._state = "committed"
         if self._keep is not None:  # what earlier runs of it kept is reached from the index now
@@ -303,6 +354,7 @@ class BlobImporter:
         ``reason`` (why it stopped) is noted with it. Where even that fails
         (an unwritable store), the lease ends as usual.
         """
+        self._stop_linking()
         if self._state in ("open", "staged"):
             self._state = "aborted"
             if self._keep is not None and (self.blobs_added or self.blobs_skipped) and self._keep_lease(reason):
@@ -348,6 +400,7 @@ class BlobImporter:
         """
         if self._state == "committed":
             raise FailedPrecondition("blob importer is already committed")
+        self._stop_linking()
         staged = self._staged[0] if self._staged is not None else None
         self._state = "aborted"
         self._ingest.release()  # a kept lease too

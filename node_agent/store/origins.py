@@ -86,7 +86,14 @@ class Origins:
         return out
 
     def settle(self, checkpoint_id: str) -> bool:
-        """Forget the origin of a published checkpoint whose blobs have all arrived; True if it is whole."""
+        """Forget the origin of a published checkpoint whose blobs have all arrived; True if it is whole.
+
+        Blobs the fetcher brought are waited for first (its ``drain``, where it has one): a fetch hands its
+        reader the verified bytes before the blob is durable and linked.
+        """
+        drain = getattr(self.fetcher, "drain", None)
+        if callable(drain):
+            drain()
         record = self.index.load(self.index.resolve(checkpoint_id))
         if self.missing(record):
             return False

@@ -196,12 +196,17 @@ def test_a_pull_that_does_not_fit_is_refused_before_it_starts(
 
 _CHILD = r"""
 import sys
+import time
 from node_agent.config.schema import RegistrySettings
 from node_agent.registry import Credentials, pull
 from node_agent.store import Store
 
 def progress(p):
     if p.phase == "blobs" and p.bytes_done >= int(sys.argv[3]):
+        # The blobs received so far are linked by the import's link threads, which go on meanwhile.
+        blobs, deadline = Store(sys.argv[1]).blobs, time.monotonic() + 60
+        while any(blobs.size_of(d) is None for d in sys.argv[4:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         print("stopped", p.blobs_done, flush=True)
         sys.stdin.read()  # held here until killed
 
@@ -216,7 +221,8 @@ def test_a_pull_killed_outright_is_cleared_by_the_start_up_repair(
     root = tmp_path / "dest-store"
     Store(root)
     after = blobs[0][1] + blobs[1][1] + 1
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), registry.ref("ckpt/web:v1"), str(after)],
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), registry.ref("ckpt/web:v1"), str(after),
+                             *(d for d, _ in blobs[:2])],
                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("stopped 2")

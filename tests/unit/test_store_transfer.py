@@ -83,6 +83,7 @@ def test_add_blob_from_iterables_and_threads(src: Store, dst: Store) -> None:
 
     with dst.importer() as imp, ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda d: imp.add_blob(d.digest, d.size, pieces(d.digest)), descs))
+        imp.wait_linked()
         assert imp.blobs_added == len(descs)
         imp.commit(src.manifest_bytes(rec.id))
     assert dst.verify(rec.id) == []
@@ -145,6 +146,7 @@ def test_bad_blobs_are_refused(dst: Store) -> None:
             imp.add_blob(digest, -1, io.BytesIO(b"x"))
         assert not dst.has_blob(digest)
         imp.add_blob(digest, len(data), io.BytesIO(data))  # a retry after a failure works
+        imp.wait_linked()
         assert dst.has_blob(digest)
     with pytest.raises(FailedPrecondition):
         imp.add_blob(digest, len(data), io.BytesIO(data))
@@ -221,6 +223,7 @@ def _child_import_and_die(src_root: str, dst_root: str, cid: str, n: int) -> Non
     for desc in src.descriptors(cid)[:n]:
         with src.open_blob(desc.digest) as fh:
             imp.add_blob(desc.digest, desc.size, fh)
+    imp.wait_linked()  # durable and linked: then killed before it ends
     os._exit(0)
 
 
