@@ -18,7 +18,9 @@ one: testbed/lazyimages.py's UFFD_PROCESS), for N MiB of incompressible pages:
 With ``--registry``, the same pages pushed to a loopback docker-registry and
 pulled lazily (as on another node) are also read through the chunk cache and
 by the handler, beside the registry's own GET bound (every chunk read by a
-bare client over ``registry.connections`` connections):
+bare client over ``registry.connections`` connections) and a full pull. Each
+stage shows the machine's CPU busy share over it and the registry's own share
+(on a machine of few cores, the registry takes much of them):
 
     .venv/bin/python bench/lazy_throughput.py [--mib 256] [--runs 3] [--registry]
 """

@@ -68,6 +68,13 @@ def _get(remote: _Remote) -> Span:
     return bound["m0"], bound["s"]
 
 
+def _pull(remote: _Remote, root: Path) -> Span:
+    """A full pull of the registry's checkpoint into a new store at ``root`` (every chunk fetched and kept)."""
+    t = time.monotonic()
+    pull(Store(root), remote.reference, Credentials(plain_http=True), settings=remote.settings)
+    return t, time.monotonic() - t
+
+
 def _read_verify(store: Store, cid: str, size: int, remote: _Remote | None = None, root: Path | None = None) -> Span:
     """The pages file read through the page source's chunk cache, from ``store``, or, with ``remote``, from a
     new lazy pull of the registry's checkpoint at ``root``."""
@@ -196,6 +203,7 @@ def main(args: argparse.Namespace) -> int:
                 timed("handler, read", lambda: _handler(root, size // PAGE, read=True))
                 if remote is not None:
                     timed("registry: GET", lambda: _get(remote))
+                    timed("registry: full pull", lambda: _pull(remote, root / f"full-{n}"))
                     timed("registry: read + verify",
                           lambda: _read_verify(store, cid, size, remote, root / f"pulled-{n}"))
                     timed("registry: handler, read", lambda: _handler(root, size // PAGE, read=True, remote=remote))
