@@ -65,8 +65,10 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"runs": len(ss), "stored_bytes": stored, "weights_bytes": one.get("weights_bytes"),
                                "image_pull_s": stats.median(list((one.get("image_pull_s") or {}).values()))}
         for path in PATHS:
-            for key in ("running_s", "answer_s", "cpu_busy", "registry_cpu"):
+            for key in ("running_s", "answer_s", "cpu_busy", "cpu_iowait", "registry_cpu"):
                 row[f"{path}_{key}"] = _med(ss, path, key)
+        for key in ("cpu_busy", "cpu_iowait", "registry_cpu"):
+            row[f"pod_after_{key}"] = _med(ss, "pod", "after_calls", key)
         row.update(cli_pull_s=_med(ss, "cli", "pull_s"), cli_restore_s=_med(ss, "cli", "restore_s"),
                    pod_sandbox_s=_med(ss, "pod", "sandbox_s"))
         lazy = [_at(s, "same_node", "lazy") for s in ss]
@@ -77,13 +79,15 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                    fan_two_origin=_share(ss, stored, "fan_out", "two_origin_bytes"),
                    fan_two_cpu_busy=_med(ss, "fan_out", "two_cpu_busy"),
                    fan_two_registry_cpu=_med(ss, "fan_out", "two_registry_cpu"),
+                   fan_two_cpu_iowait=_med(ss, "fan_out", "two_cpu_iowait"),
                    fan_replicas=sum(int(_at(s, "fan_out", "replicas") or 0) for s in ss),
                    fan_wrong=sum(len(_at(s, "fan_out", "wrong") or []) for s in ss))
         for op in TRANSFERS:
             rate = _rate(ss, op)
             row.update({f"{op}_s": _med(ss, "throughput", op, "s"), f"{op}_mbps": None if rate is None else rate / 1e6,
                         f"{op}_cpu_busy": _med(ss, "throughput", op, "cpu_busy"),
-                        f"{op}_registry_cpu": _med(ss, "throughput", op, "registry_cpu")})
+                        f"{op}_registry_cpu": _med(ss, "throughput", op, "registry_cpu"),
+                        f"{op}_cpu_iowait": _med(ss, "throughput", op, "cpu_iowait")})
         row["connections"] = _med(ss, "throughput", "get", "connections")
         out[mib] = row
     return out
@@ -103,9 +107,19 @@ def judged_sizes(summary_: dict[str, Any]) -> tuple[str | None, str | None]:
 def _busy(row: dict[str, Any], key: str, seconds: str = "answer_s") -> str:
     """A column's time with the machine's busy share over it, and the registries' part of that where measured:
     what bounds a path that misses on a loaded machine."""
-    registries = row.get(f"{key}_registry_cpu")
+    registries, iowait = row.get(f"{key}_registry_cpu"), row.get(f"{key}_cpu_iowait")
     of_it = "" if registries is None else f", the registries {fmt.pct(registries)}"
-    return f"{fmt.s(row[f'{key}_{seconds}'])} (CPU busy {fmt.pct(row[f'{key}_cpu_busy'])}{of_it})"
+    waiting = "" if not iowait else f"; waiting for I/O {fmt.pct(iowait)}"
+    return f"{fmt.s(row[f'{key}_{seconds}'])} (CPU busy {fmt.pct(row[f'{key}_cpu_busy'])}{of_it}{waiting})"
+
+
+def _after_calls(row: dict[str, Any]) -> str:
+    """The Pod path's CPU after the kubelet's calls returned, while the memory streamed in, where measured."""
+    if row.get("pod_after_cpu_busy") is None:
+        return ""
+    iowait = row.get("pod_after_cpu_iowait")
+    return (f", after the kubelet's calls CPU busy {fmt.pct(row['pod_after_cpu_busy'])}, the registries "
+            f"{fmt.pct(row.get('pod_after_registry_cpu'))}" + ("" if iowait is None else f"; I/O {fmt.pct(iowait)}"))
 
 
 def _check(key: str, title: str, measured: str, wrong: int) -> dict[str, Any]:
@@ -124,7 +138,7 @@ def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
     same = _busy(a, "same_node")
     t.append(fmt.target(
         "xn_pod_same", f"{large} MiB: Pod path on another node, first answer / same-node default restore's",
-        f"{_busy(a, 'pod')} vs {same}",
+        f"{_busy(a, 'pod')}{_after_calls(a)} vs {same}",
         stats.div(a["pod_answer_s"], a["same_node_answer_s"]), LIMITS["pod_same"]))
     t.append(fmt.target(
         "xn_cli_same", f"{large} MiB: CLI path on another node (pull --lazy, restore), first answer / same-node "
@@ -137,7 +151,7 @@ def targets(summary_: dict[str, Any]) -> list[dict[str, Any]]:
     b = summary_[small]
     t.append(fmt.target(
         "xn_pod_cold", f"{small} MiB: Pod path on another node, first answer / a cold start on that node",
-        f"{_busy(b, 'pod')} vs {_busy(b, 'cold')}",
+        f"{_busy(b, 'pod')}{_after_calls(b)} vs {_busy(b, 'cold')}",
         stats.div(b["pod_answer_s"], b["cold_answer_s"]), LIMITS["pod_cold"]))
     bound = (f"the registry's GET bound {_busy(a, 'get', 's')}: {fmt.mbps(a['get_mbps'])} on "
              f"{a['connections'] or 0:.0f} connections")
@@ -197,6 +211,11 @@ def _origin(share: float | None, stored: float) -> str:
     return "-" if share is None else f"{fmt.times(share)} ({fmt.mib(share * stored)})"
 
 
+def _cpu_cell(row: dict[str, Any], key: str) -> str:
+    iowait = row.get(f"{key}_cpu_iowait")
+    return fmt.pct(row[f"{key}_cpu_busy"]) + ("" if iowait is None else f" (I/O {fmt.pct(iowait)})")
+
+
 def _rated(seconds: float | None, mbps: float | None) -> str:
     return f"{fmt.s(seconds)}, {fmt.mbps(mbps)}"
 
@@ -230,11 +249,12 @@ def tables(doc: dict[str, Any]) -> list[Table]:
            _rated(r["get_s"], r["get_mbps"]) + f" ({r['connections'] or 0:.0f} connections)",
            _rated(r["pull_s"], r["pull_mbps"]), _rated(r["push_s"], r["push_mbps"]),
            _rated(r["put_s"], r["put_mbps"])] for w, r in rows]),
-        (f"CPU busy over each interval (medians, share of all {cores} cores, /proc/stat)",
+        (f"CPU busy over each interval, and idle waiting for I/O where measured (medians, share of all {cores} "
+         "cores, /proc/stat)",
          ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
           "PUT bound"],
-         [[w, *(fmt.pct(r[f"{p}_cpu_busy"]) for p in PATHS), fmt.pct(r["fan_two_cpu_busy"]),
-           *(fmt.pct(r[f"{op}_cpu_busy"]) for op in TRANSFERS)] for w, r in rows]),
+         [[w, *(_cpu_cell(r, p) for p in PATHS), _cpu_cell(r, "fan_two"), *(_cpu_cell(r, op) for op in TRANSFERS)]
+          for w, r in rows]),
         (f"Of it, the registries' CPU (the origin and the cache; medians, share of all {cores} cores, /proc/PID/stat)",
          ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
           "PUT bound"],

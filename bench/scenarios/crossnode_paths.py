@@ -43,6 +43,9 @@ from testbed.registry import Registry
 PLAIN = pb.RegistryCredentials(plain_http=True)  # the origin and its caches speak plain HTTP on loopback
 
 
+NO_CPU: dict[str, float | None] = {"cpu_busy": None, "cpu_iowait": None, "registry_cpu": None}
+
+
 class CpuLog:
     """The machine's CPU time from /proc/stat, every core busy and in all, and the CPU seconds of the processes
     `watch` counts (the registries), sampled in a thread every 50 ms, so that the busy share of any interval of
@@ -52,7 +55,7 @@ class CpuLog:
         self.interval = interval
         self.watch = watch
         self.times: list[float] = []
-        self.ticks: list[tuple[int, int]] = []  # (busy, all) in clock ticks, summed over the cores
+        self.ticks: list[tuple[int, int, int]] = []  # (busy, all, iowait) in clock ticks, summed over the cores
         self.watched: list[float] = []  # the watched processes' CPU seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-log", daemon=True)
@@ -73,7 +76,7 @@ class CpuLog:
         except (OSError, ValueError, AssertionError):  # a registry stopping meanwhile: the next sample
             return
         # user nice system idle iowait irq softirq steal: idle and iowait are not busy
-        self.ticks.append((sum(fields) - fields[3] - fields[4], sum(fields)))
+        self.ticks.append((sum(fields) - fields[3] - fields[4], sum(fields), fields[4]))
         self.watched.append(watched)
         self.times.append(time.monotonic())
 
@@ -93,14 +96,17 @@ class CpuLog:
         return i, j
 
     def span(self, start: float, end: float) -> dict[str, float | None]:
-        """Over `start` to `end`: the busy share of all cores (`cpu_busy`), and the share of all cores the watched
-        processes took (`registry_cpu`: of the busy share, what the registries serving the path used)."""
+        """Over `start` to `end`: the busy share of all cores (`cpu_busy`), their share idle while waiting for
+        I/O (`cpu_iowait`), and the share of all cores the watched processes took (`registry_cpu`: of the busy
+        share, what the registries serving the path used)."""
         around = self._around(start, end)
         if around is None:
-            return {"cpu_busy": None, "registry_cpu": None}
+            return dict(NO_CPU)
         i, j = around
         every = (self.ticks[j][1] - self.ticks[i][1]) / os.sysconf("SC_CLK_TCK")  # seconds of all cores
-        return {"cpu_busy": round((self.ticks[j][0] - self.ticks[i][0]) / (self.ticks[j][1] - self.ticks[i][1]), 3),
+        ticks = self.ticks[j][1] - self.ticks[i][1]
+        return {"cpu_busy": round((self.ticks[j][0] - self.ticks[i][0]) / ticks, 3),
+                "cpu_iowait": round((self.ticks[j][2] - self.ticks[i][2]) / ticks, 3),
                 "registry_cpu": round((self.watched[j] - self.watched[i]) / every, 3) if self.watch else None}
 
 
@@ -252,7 +258,7 @@ class Columns:
 
     def _cpu(self, start: float, seconds: float | None) -> dict[str, float | None]:
         """The machine's CPU over `seconds` from `start`: busy, and the registries' share (`CpuLog.span`)."""
-        return {"cpu_busy": None, "registry_cpu": None} if seconds is None else self.cpu.span(start, start + seconds)
+        return dict(NO_CPU) if seconds is None else self.cpu.span(start, start + seconds)
 
     # ---- 1, 2: cold start on B, the default restore on A --------------------------
 
@@ -360,6 +366,10 @@ class Columns:
         m0, m1 = out.pop("m0", None), out.pop("m_answer", None)
         out.pop("t0", None)
         out.update(self._cpu(m0, None if m0 is None or m1 is None else m1 - m0))
+        # From the end of the kubelet's calls to the first answer: the memory streaming in, mostly.
+        calls = out.get("running_s")
+        out["after_calls"] = dict(NO_CPU) if m0 is None or m1 is None or calls is None else self._cpu(
+            m0 + calls, m1 - m0 - calls)
         return out
 
     def pod(self, label: str) -> dict[str, Any]:

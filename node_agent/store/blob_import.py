@@ -182,6 +182,8 @@ class BlobImporter:
             failure = os_error(exc, f"importing blob {digest}") if isinstance(exc, OSError) else exc
             with self._lock:
                 self._link_failed = self._link_failed or failure
+            if failure is exc:
+                raise
             raise failure from exc
         with self._lock:
             self._linked = True

@@ -165,6 +165,39 @@ def test_a_fetched_chunk_comes_back_verified_and_is_not_read_and_hashed_again(
         fetcher.close()
 
 
+def test_a_fetched_chunk_the_store_cannot_keep_still_serves_its_reader_and_is_fetched_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The verified bytes go to the reader at once; a blob whose fsync fails is not linked, the failure is
+    logged when the fetch's import ends, and the next reader fetches it again."""
+    src, chunk, data = _chunk_store(tmp_path / "src")
+    dst = Store(tmp_path / "dst")
+    server = Gated({chunk.digest: data})
+    server.open()
+    fetcher = RemoteBlobs(dst)
+    real_fsync = os.fsync
+    failing = [True]
+
+    def fsync(fd: int) -> None:
+        if failing[0] and threading.current_thread().name.startswith("import-link"):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr("node_agent.store.blob_import.os.fsync", fsync)
+    try:
+        assert read_or_fetch(dst.chunks, chunk, lambda c: fetcher(server.origin(), c)) == src.chunks.read_chunk(chunk)
+        fetcher.drain()
+        assert not dst.has_blob(chunk.digest) and os.listdir(dst.ingest_dir) == []
+        assert f"blob {chunk.digest} was fetched and verified, but the store could not keep it" in caplog.text
+        failing[0] = False
+        assert read_or_fetch(dst.chunks, chunk, lambda c: fetcher(server.origin(), c)) == src.chunks.read_chunk(chunk)
+        fetcher.drain()
+        assert dst.has_blob(chunk.digest) and len(server.requests) == 2
+    finally:
+        server.close()
+        fetcher.close()
+
+
 def test_a_registry_that_stays_away_fails_the_fetch_after_the_deadline(tmp_path: Path, retrying: Seen) -> None:
     _src, chunk, _data = _chunk_store(tmp_path / "src")
     dst = Store(tmp_path / "dst")

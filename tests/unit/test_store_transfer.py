@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import multiprocessing
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from node_agent.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument, NotFound
 from node_agent.oci import Descriptor
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.documents import CONFIG_MEDIA_TYPE, CREATED_ANNOTATION, canonical_json
@@ -128,6 +130,60 @@ def test_add_blob_skips_present_blobs_without_reading(src: Store, dst: Store) ->
             imp.add_blob(desc.digest, desc.size, Exploding())  # type: ignore[arg-type]
         assert imp.blobs_skipped == len(src.descriptors(rec.id)) and imp.blobs_added == 0
         imp.commit(src.manifest_bytes(rec.id))
+
+
+def test_a_blob_is_linked_only_once_durable_and_its_adder_does_not_wait_for_the_disk(
+    src: Store, dst: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """add_blob returns once the bytes are verified; the link threads fsync and then link; the staging waits."""
+    rec = _checkpoint(src)
+    descs = src.descriptors(rec.id)
+    disk = threading.Event()
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:  # (os.fsync of every module: the link threads' are the ones held)
+        if threading.current_thread().name.startswith("import-link"):
+            assert disk.wait(30), "the disk was never let go"
+            synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr("node_agent.store.blob_import.os.fsync", held_fsync)
+    with dst.importer() as imp:
+        for desc in descs:  # none of them waits for its fsync
+            with src.open_blob(desc.digest) as fh:
+                imp.add_blob(desc.digest, desc.size, fh)
+        assert synced == [] and not any(dst.has_blob(d.digest) for d in descs)  # nothing linked before durable
+        disk.set()
+        record = imp.commit(src.manifest_bytes(rec.id))  # the staging waits for every link
+        assert len(synced) == len(descs) and all(dst.has_blob(d.digest) for d in descs)
+    assert record.id == rec.id and dst.verify(rec.id) == []
+
+
+def test_a_blob_that_cannot_be_made_durable_fails_the_import_and_is_not_linked(
+    src: Store, dst: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = _checkpoint(src)
+    descs = src.descriptors(rec.id)
+    bad = descs[1].digest
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(bad.split(":")[1]):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr("node_agent.store.blob_import.os.fsync", failing_fsync)
+    with dst.importer() as imp:
+        for desc in descs:
+            with src.open_blob(desc.digest) as fh:
+                imp.add_blob(desc.digest, desc.size, fh)
+        with pytest.raises(Internal, match=f"importing blob {bad}: Input/output error"):
+            imp.wait_linked()
+        with pytest.raises(Internal, match=f"importing blob {bad}: Input/output error"):
+            imp.commit(src.manifest_bytes(rec.id))
+    assert dst.list() == [] and not dst.has_blob(bad) and os.listdir(dst.ingest_dir) == []
+    assert all(dst.has_blob(d.digest) for d in descs if d.digest != bad)  # verified and durable: kept for a re-run
 
 
 def test_bad_blobs_are_refused(dst: Store) -> None:
