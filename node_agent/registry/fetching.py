@@ -25,11 +25,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, Protocol
 
 from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from node_agent.offload import Offload
 from node_agent.registry.auth import Credentials, TokenCache
 from node_agent.registry.endpoints import RegistryAccess, Route
 from node_agent.registry.failures import log_failure
@@ -101,8 +101,7 @@ class RemoteBlobs:
         self._open: dict[str, int] = {}  # reference -> routes made (in use or idle)
         self._tokens: dict[str, TokenCache] = {}  # reference -> the bearer tokens its routes share
         self._lock = threading.Condition()
-        self._ender: ThreadPoolExecutor | None = None  # ends each fetch's import once its blob is linked
-        self._ending: list[Future[None]] = []
+        self._ending = Offload(1, "fetch-end")  # ends each fetch's import once its blob is linked
         self.fetched = 0
 
     def remember_password(self, reference: str, password: str) -> None:
@@ -195,25 +194,14 @@ class RemoteBlobs:
             finally:
                 importer.abort()
 
-        with self._lock:
-            if self._ender is None:
-                self._ender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-end")
-            self._ending = [f for f in self._ending if not f.done()]
-            self._ending.append(self._ender.submit(end))
+        self._ending.submit(end)
 
     def drain(self) -> None:
         """Wait until every blob fetched so far is in the store (or the failure to keep it is logged)."""
-        with self._lock:
-            ending, self._ending = self._ending, []
-        for future in ending:
-            future.exception()
+        self._ending.wait()
 
     def close(self) -> None:
-        self.drain()
-        with self._lock:
-            ender, self._ender = self._ender, None
-        if ender is not None:
-            ender.shutdown(wait=True)
+        self._ending.close()
         with self._lock:
             for routes in self._idle.values():
                 for route in routes:

@@ -25,19 +25,20 @@ resumes; publishing or discarding the same manifest later ends those leases.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Collection, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Final
 
 from node_agent.errors import AgentError, DataLoss, FailedPrecondition, InvalidArgument
 from node_agent.oci import digest_hex, sha256_digest
+from node_agent.offload import Offload
 from node_agent.store.blobs import BlobStore
 from node_agent.store.chunk_reader import ChunkReader
 from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, os_error, write_all
@@ -109,8 +110,7 @@ class BlobImporter:
         self._lock = threading.Lock()
         self._linked = False
         self._brought: set[str] = set()  # blobs this import linked in (they were not stored before)
-        self._linker: ThreadPoolExecutor | None = None
-        self._links: list[Future[None]] = []  # blobs verified, being made durable and linked
+        self._links = Offload(_LINKERS, "import-link")  # blobs verified, being made durable and linked
         self._link_failed: BaseException | None = None
         self._staged: tuple[str, bytes, CheckpointManifest, CheckpointConfig | None, dict[str, int]] | None = None
         self._provenance = PULLED
@@ -158,10 +158,7 @@ class BlobImporter:
             if isinstance(exc, OSError):
                 raise os_error(exc, f"importing blob {digest}") from exc
             raise
-        with self._lock:
-            if self._linker is None:
-                self._linker = ThreadPoolExecutor(max_workers=_LINKERS, thread_name_prefix="import-link")
-            self._links.append(self._linker.submit(self._link, temp, digest, size))
+        self._links.submit(functools.partial(self._link, temp, digest, size))
 
     def _unclaim(self, digest: str, temp: str) -> None:
         self._ingest.forget(digest)
@@ -192,22 +189,18 @@ class BlobImporter:
             self.bytes_added += size
 
     def wait_linked(self) -> None:
-        """Wait until every blob added so far is durable and linked; the first that could not be raises."""
-        with self._lock:
-            links, self._links = self._links, []
-        for link in links:
-            link.exception()  # recorded in _link_failed
+        """Wait until every blob added so far is durable and linked; the first that could not be raises (again
+        at every later call)."""
+        with contextlib.suppress(BaseException):  # recorded in _link_failed
+            self._links.wait()
         if self._link_failed is not None:
             raise self._link_failed
 
     def _stop_linking(self) -> None:
         """Wait for the link threads and end them; a failure is left to whoever waits with ``wait_linked``."""
         with contextlib.suppress(BaseException):
-            self.wait_linked()
-        with self._lock:
-            linker, self._linker = self._linker, None
-        if linker is not None:
-            linker.shutdown(wait=True)
+            self._links.wait()
+        self._links.close()
 
     def _receive(self, temp: str, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
         hasher = hashlib.sha256()

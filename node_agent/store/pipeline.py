@@ -14,6 +14,7 @@ left to write.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -22,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from node_agent.offload import Offload
 from node_agent.store import codec, sealing
 from node_agent.store.ingest import Ingest
 from node_agent.store.chunking import Chunker
@@ -139,8 +141,7 @@ class ChunkPipeline:
         self._segment = segment
         self._budget = _Budget(big, big * min(6, max(3, 2 + self._workers // 4)))
         self._executor: ThreadPoolExecutor | None = None
-        self._flusher: ThreadPoolExecutor | None = None
-        self._flushes: list[Future[None]] = []
+        self._flusher = Offload(_FLUSHERS, "store-flush")
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
         self.bytes_done = 0
@@ -155,17 +156,11 @@ class ChunkPipeline:
 
     def _flush(self, digest: str) -> None:
         """Start writing a new blob back to disk now, so the commit's fsync finds little to do."""
-        with self._lock:
-            if self._flusher is None:
-                self._flusher = ThreadPoolExecutor(max_workers=_FLUSHERS, thread_name_prefix="store-flush")
-            self._flushes.append(self._flusher.submit(self._ingest.flush, digest))
+        self._flusher.submit(functools.partial(self._ingest.flush, digest))
 
     def wait_flushed(self) -> None:
         """Wait for the early fsyncs; raise the first failure."""
-        with self._lock:
-            flushes, self._flushes = self._flushes, []
-        for future in flushes:
-            future.result()
+        self._flusher.wait()
 
     def add_fd(
         self, fd: int | Readable, size_hint: int, on_segment: Callable[[], None] | None = None
@@ -277,8 +272,5 @@ class ChunkPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=cancel)
             self._executor = None
-        if self._flusher is not None:
-            self._flusher.shutdown(wait=True, cancel_futures=cancel)
-            self._flusher = None
-        self._flushes.clear()
+        self._flusher.close(cancel=cancel)
         self._budget.drop()
