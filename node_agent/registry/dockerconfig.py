@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from node_agent.errors import InvalidArgument
 from node_agent.registry.auth import Credentials
 from node_agent.registry.reference import MAX_REFERENCE_LENGTH, is_port, is_printable
+from node_agent.store.files import read_upto
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +384,7 @@ class NodeCredentials:
             if not stat.S_ISREG(st.st_mode):
                 self._fail(("kind", stat.S_IFMT(st.st_mode)), "is not a regular file")
                 return
-            data = b"" if st.st_size > MAX_CONFIG_BYTES else _read_at_most(fd, MAX_CONFIG_BYTES + 1)
+            data = b"" if st.st_size > MAX_CONFIG_BYTES else read_upto(fd, MAX_CONFIG_BYTES + 1)
         except OSError as exc:
             self._os_error("read", exc)
             return
@@ -436,18 +437,6 @@ class NodeCredentials:
             else:
                 keys[key.text], logins[key.text] = key, login
         return keys, logins
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = os.read(fd, limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def _errno_name(exc: OSError) -> str:

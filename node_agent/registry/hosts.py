@@ -33,6 +33,7 @@ from urllib.parse import quote, urlsplit
 
 from node_agent.errors import FailedPrecondition, InvalidArgument
 from node_agent.registry.reference import HTTP_TOKEN, is_printable, parse_reference, show
+from node_agent.store.files import read_upto
 
 log = logging.getLogger(__name__)
 
@@ -218,21 +219,14 @@ def _read_hosts_file(path: str) -> bytes:
             raise InvalidArgument(f"{path} is not a regular file")
         if info.st_size > MAX_HOSTS_FILE:
             raise InvalidArgument(f"{path} is larger than {MAX_HOSTS_FILE} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_HOSTS_FILE:
-            chunk = os.read(fd, MAX_HOSTS_FILE + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_upto(fd, MAX_HOSTS_FILE + 1)
     except OSError as exc:
         raise FailedPrecondition(f"cannot read {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
-    if size > MAX_HOSTS_FILE:
+    if len(data) > MAX_HOSTS_FILE:
         raise InvalidArgument(f"{path} is larger than {MAX_HOSTS_FILE} bytes")
-    return b"".join(chunks)
+    return data
 
 
 def _certs_d(directory: str) -> _Settings:
