@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -236,14 +236,19 @@ def test_interrupted_pull_resumes(tmp_path: Path, registry: Registry, source: tu
 
 _CHILD = r"""
 import sys
+import time
 from node_agent.config.schema import RegistrySettings
 from node_agent.registry import Credentials, pull, push
 from node_agent.store import Store
 
 op, root, ref, threshold, cid = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+linked = sys.argv[6:]  # blobs a pull has brought by then: its link threads link them meanwhile
 
 def progress(p):
     if p.phase == "blobs" and p.bytes_done >= threshold:
+        blobs, deadline = Store(root).blobs, time.monotonic() + 60
+        while any(blobs.size_of(d) is None for d in linked) and time.monotonic() < deadline:
+            time.sleep(0.01)
         print("stopped", p.blobs_done, p.bytes_done, flush=True)
         sys.stdin.read()  # hold the transfer open here until killed
 
@@ -257,10 +262,12 @@ print("finished", flush=True)
 """
 
 
-def _kill_mid_transfer(op: str, root: Path, ref: str, threshold: int, cid: str = "") -> tuple[int, int]:
-    """Run a push or pull in a child, SIGKILL it while a blob is in flight; return (blobs_done, bytes_done)."""
+def _kill_mid_transfer(op: str, root: Path, ref: str, threshold: int, cid: str = "",
+                       linked: Iterable[str] = ()) -> tuple[int, int]:
+    """Run a push or pull in a child, SIGKILL it while a blob is in flight (once the blobs ``linked`` are in its
+    store); return (blobs_done, bytes_done)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, op, str(root), ref, str(threshold), cid],
+        [sys.executable, "-c", _CHILD, op, str(root), ref, str(threshold), cid, *linked],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     guard = threading.Timer(120, proc.kill)
@@ -307,7 +314,8 @@ def test_pull_killed_mid_blob_resumes(tmp_path: Path, registry: Registry, source
     done_before, threshold = _interrupt_point(blobs)
     root = tmp_path / "dest-store"
     Store(root)
-    blobs_done, _ = _kill_mid_transfer("pull", root, registry.ref("ckpt/web:v1"), threshold)
+    blobs_done, _ = _kill_mid_transfer("pull", root, registry.ref("ckpt/web:v1"), threshold,
+                                       linked=[d for d, _ in blobs[:done_before]])
     assert blobs_done == done_before
 
     dst = Store(root)
