@@ -166,7 +166,8 @@ class BlobImporter:
             os.unlink(temp)
 
     def _link(self, temp: str, digest: str, size: int) -> None:
-        """Make a verified blob durable, then link it into the blob directory (a link thread)."""
+        """Make a verified blob durable, then link it into the blob directory (a link thread). A failure is
+        kept for ``wait_linked``, the first one of the import."""
         try:
             fd = os.open(temp, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
             try:
@@ -174,14 +175,12 @@ class BlobImporter:
             finally:
                 os.close(fd)
             self._blobs.link_in(temp, digest)
-        except BaseException as exc:
+        except Exception as exc:  # noqa: BLE001 - kept for wait_linked, which raises it
             self._unclaim(digest, temp)
             failure = os_error(exc, f"importing blob {digest}") if isinstance(exc, OSError) else exc
             with self._lock:
                 self._link_failed = self._link_failed or failure
-            if failure is exc:
-                raise
-            raise failure from exc
+            return
         with self._lock:
             self._linked = True
             self._brought.add(digest)
@@ -191,15 +190,12 @@ class BlobImporter:
     def wait_linked(self) -> None:
         """Wait until every blob added so far is durable and linked; the first that could not be raises (again
         at every later call)."""
-        with contextlib.suppress(BaseException):  # recorded in _link_failed
-            self._links.wait()
+        self._links.wait()
         if self._link_failed is not None:
             raise self._link_failed
 
     def _stop_linking(self) -> None:
         """Wait for the link threads and end them; a failure is left to whoever waits with ``wait_linked``."""
-        with contextlib.suppress(BaseException):
-            self._links.wait()
         self._links.close()
 
     def _receive(self, temp: str, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
