@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -36,6 +37,11 @@ T = TypeVar("T")
 ARCHIVE_CHUNK: Final = 1 << 20  # bytes per piece of a streamed archive
 FREE_CHECK_BYTES: Final = 64 << 20  # a streamed archive checks the free space at least this often
 ARCHIVE_NAME: Final = "archive"  # the archive's file in its scratch directory
+PROGRESS_EVERY: Final = 0.1
+"""Seconds between two progress events of a push or pull within one phase: a transfer reports every piece
+it moves (a thousand per GiB), and each event wakes the event loop and goes out to the caller, work
+taken from the transfer itself; a new phase and the last report of the transfer always go out."""
+_clock = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,16 @@ async def _in_thread(
     """Run a blocking push or pull in a worker thread, relaying its progress to the event loop."""
     loop = asyncio.get_running_loop()
     ended = threading.Event()
+    sent_phase, sent_at = "", 0.0  # of the last event sent (a transfer's reports come one at a time)
 
     def relay(p: registry.Progress) -> None:
+        nonlocal sent_phase, sent_at
         if ended.is_set():  # the call is over: the transfer stops at its next step
             raise errors.Cancelled(f"the transfer of {ref} was cancelled")
+        now = _clock()
+        if p.phase == sent_phase and now - sent_at < PROGRESS_EVERY:
+            return
+        sent_phase, sent_at = p.phase, now
         loop.call_soon_threadsafe(progress, Progress(
             p.phase, 0, 0, p.bytes_done, p.bytes_total,
             f"{p.blobs_done}/{p.blobs_total} blobs, {p.skipped} already there",

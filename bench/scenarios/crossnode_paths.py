@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -176,6 +177,18 @@ def _lanes(registry: Registry, blobs: list[tuple[str, int]], connections: int, t
     if failures:
         raise BenchError(failures[0])
     return {"s": round(took, 4), "bytes": moved[0], "connections": len(lanes), "blobs": len(blobs), "m0": m0}
+
+
+def verify_cost(size: int) -> float:
+    """The CPU seconds this machine takes to compute the sha256 of `size` bytes (in 16 MiB pieces, from memory):
+    what checking every blob of a pull costs at the least, whoever checks it."""
+    piece = bytes(range(256)) * (1 << 16)
+    hasher = hashlib.sha256()
+    started = time.thread_time()
+    for _ in range(size // len(piece)):
+        hasher.update(piece)
+    hasher.update(piece[:size % len(piece)])
+    return round(time.thread_time() - started, 4)
 
 
 def get_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]], connections: int,
@@ -455,4 +468,4 @@ class Columns:
         put = put_bound(origin, f"ckpts/put-{label}-{secrets.token_hex(3)}", self.model.blobs,
                         os.path.join(self.cluster.b.store, "blobs", "sha256"), self.cluster.connections, self.timeout)
         put.update(self._cpu(put.pop("m0"), put["s"]))
-        return {"get": get, "pull": pull, "push": push, "put": put}
+        return {"get": get, "pull": pull, "push": push, "put": put, "sha256": {"cpu_s": verify_cost(self.model.stored)}}

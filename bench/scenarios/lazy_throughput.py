@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.harness.machine import warm_memory
 from bench.scenarios.crossnode_paths import CpuLog, get_bound
 from node_agent.config.schema import RegistrySettings
 from node_agent.lazy import uffd
@@ -178,6 +179,8 @@ def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) 
 def main(args: argparse.Namespace) -> int:
     """bench/lazy_throughput.py once its arguments are parsed."""
     size = args.mib << 20
+    warmed = warm_memory()
+    print(f"the machine's free memory touched once first: {warmed['gib']} GiB in {warmed['s']} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="na-lazy-throughput-"))
     rows: dict[str, list[tuple[float, dict[str, float | None]]]] = {}
     try:

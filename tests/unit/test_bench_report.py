@@ -193,9 +193,11 @@ def _crossnode_run(scale: float, wrong: list[str]) -> dict[str, Any]:
                     "two": {"b": pod(1.5, 1.0), "d": pod(1.6, 1.0)}, "two_answer_s": 1.7 * scale,
                     "two_cpu_busy": 1.0, "two_origin_bytes": GIB // 20, "stored_bytes": GIB, "replicas": 3,
                     "wrong": wrong},
-        "throughput": {"get": {"s": 1.0 * scale, "bytes": GIB, "connections": 8, "cpu_busy": 0.9},
+        "throughput": {"get": {"s": 1.0 * scale, "bytes": GIB, "connections": 8, "cpu_busy": 0.9,
+                               "registry_cpu": 0.7},
                        "pull": {"s": 1.2 * scale, "bytes": GIB, "cpu_busy": 0.95},
-                       "push": {"s": 1.5 * scale, "bytes": GIB, "cpu_busy": 0.97}},
+                       "push": {"s": 1.5 * scale, "bytes": GIB, "cpu_busy": 0.97},
+                       "sha256": {"cpu_s": 0.5}},
     }
 
 
@@ -247,3 +249,34 @@ def test_the_crossnode_block_renders_its_medians_targets_and_tables_from_a_fixed
     rendered = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
     assert rendered["crossnode"].strip() == block.strip()
     assert crossnode.text(doc).count("MISS") == 4
+
+
+def test_a_crossnode_miss_is_bounded_by_the_machine_only_where_the_runs_own_cpu_figures_put_its_floor_over_the_limit(
+        tmp_path: Path) -> None:
+    raw = _crossnode_doc()
+    path = tmp_path / "crossnode.json"
+    path.write_text(json.dumps(raw))
+    doc = crossnode.load(path)
+    assert doc is not None
+    judged = {t["key"]: t for t in doc["targets"]}
+    # (0.6 x 2 cores x 0.80 s of the same-node restore + 0.7 x 2 x 1.00 s the registry served the GET bound) / 2
+    # = 1.18 s = 1.475x the same-node restore: under the 1.5x limit, so the 1.75x miss is the path's own.
+    assert judged["xn_pod_same"]["floor"] == pytest.approx(1.475)
+    assert judged["xn_pod_same"]["pass"] is False and judged["xn_pod_same"]["bounded"] is False
+    # (0.9 x 2 x 1.00 s of the whole machine over the GET bound + 0.5 s of sha256) / 2 = 1.15 s: 1.15x.
+    assert judged["xn_pull"]["floor"] == pytest.approx(1.15) and judged["xn_pull"]["bounded"] is False
+    assert judged["xn_push"]["floor"] is None, "no PUT bound measured: no floor"
+    assert "| 1.75x | <= 1.50x | MISS (by 17%) |" in crossnode.crossnode_block(doc)
+    # At 256 MiB the same restore's floor, 1.18 s, is over the cold start's 1.00 s: that miss is the machine's.
+    assert judged["xn_pod_cold"]["floor"] == pytest.approx(1.18) and judged["xn_pod_cold"]["bounded"] is True
+    for size in raw["results"]["sizes"].values():
+        for sample in size["samples"]:
+            sample["same_node"]["cpu_busy"] = 1.0  # a same-node restore that kept both cores busy
+    path.write_text(json.dumps(raw))
+    doc = crossnode.load(path)
+    assert doc is not None
+    judged = {t["key"]: t for t in doc["targets"]}
+    assert judged["xn_pod_same"]["floor"] == pytest.approx(1.875) and judged["xn_pod_same"]["bounded"] is True
+    block = crossnode.crossnode_block(doc)
+    assert "| 1.75x | <= 1.50x | MISS (by 17%); bounded by this machine: its floor is 1.88x |" in block
+    assert "| 1.88x | <= 1.50x | 1.75x | no: the floor is over the limit |" in block

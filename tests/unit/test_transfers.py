@@ -29,6 +29,8 @@ from node_agent.api.agent import AgentServicer
 from node_agent.config.loading import from_mapping
 from node_agent.progress import Progress
 from node_agent.registry import Credentials
+from node_agent.registry import Progress as Moved
+from node_agent.registry import ProgressCallback
 from node_agent.registry.fetching import RemoteBlobs, repository_key
 from node_agent.store import Store
 from test_interop import make_checkpoint
@@ -187,6 +189,28 @@ async def test_push_and_pull_stream_progress_then_a_result(agent: Agent, registr
     err = await _refused(agent.stub.Push(pb.PushRequest(checkpoint_id="abcdef123456", reference=ref,
                                                         credentials=creds)).read())
     assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_transfer_sends_a_progress_event_per_interval_within_a_phase_and_every_new_phase(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(transfers, "_clock", lambda: now[0])
+    sent: list[Progress] = []
+
+    def work(relay: ProgressCallback) -> str:
+        relay(Moved("manifest", 0, 3, 0, 3 << 20, 0))
+        for piece in range(1, 301):  # 300 pieces of a MiB, 1/32 s apart (exact in binary)
+            relay(Moved("blobs", piece // 100, 3, piece << 20, 3 << 20, 0))
+            now[0] += 1 / 32
+        relay(Moved("done", 3, 3, 3 << 20, 3 << 20, 0))
+        return "ok"
+
+    assert await transfers._in_thread(work, "registry.example/ckpt:1", sent.append) == "ok"
+    await asyncio.sleep(0)  # the last event was handed to the loop before the work returned
+    phases = [p.phase for p in sent]
+    assert phases[0] == "manifest" and phases[-1] == "done"
+    assert phases.count("blobs") == 75, "one event per 0.1 s of a phase (every 4th piece here), not one per piece"
+    assert sent[-1].bytes_done == sent[-1].bytes_total == 3 << 20 and sent[-1].message == "3/3 blobs, 0 already there"
 
 
 async def test_a_lazy_pull_keeps_the_password_for_the_fetcher(agent: Agent, registry: Registry, tmp_path: Path) -> None:
