@@ -6,8 +6,12 @@ pinned by digest, and how to reach the registry; never a password). When a
 reader needs such a chunk (a lazy restore's page source, mostly), it is
 downloaded, verified against its digest and linked into the store like any
 pulled blob, so each chunk crosses the network once. The reader gets the
-verified bytes at once; the blob's fsync and link follow in a thread of
-their own (``drain`` waits for them, as ``Origins.settle`` does).
+verified bytes at once; the blob's fsync and link follow in the import's
+threads (``drain`` waits for them, as ``Origins.settle`` does). The chunks
+one connection fetches go into one import (its lease in ``ingest/``), ended
+after ``IMPORT_BATCH`` of them, after a failure, at ``drain`` while the
+connection is idle, and at ``close``: an import per chunk would cost a
+directory, a lease and a thread per megabyte.
 
 A reader that cannot wait for the registry to come back fails at once; a
 page source, whose restored process is already running, retries a fetch
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 BACKOFF_FIRST: Final = 0.1
 BACKOFF_MAX: Final = 2.0
 """Waits between tries of a fetch: doubling from the first to the largest, cut to the time left."""
+IMPORT_BATCH: Final = 64
+"""Blobs one connection's import takes before it is ended and the next one begun."""
 
 
 class ChunkLike(Protocol):
@@ -101,7 +107,9 @@ class RemoteBlobs:
         self._open: dict[str, int] = {}  # reference -> routes made (in use or idle)
         self._tokens: dict[str, TokenCache] = {}  # reference -> the bearer tokens its routes share
         self._lock = threading.Condition()
-        self._ending = Offload(1, "fetch-end")  # ends each fetch's import once its blob is linked
+        self._imports: dict[int, tuple[BlobImporter[Record], int]] = {}  # id(route) -> its import, blobs in it
+        self._busy: set[int] = set()  # id() of the routes a fetch holds
+        self._ending = Offload(1, "fetch-end")  # ends an import once its blobs are linked
         self.fetched = 0
 
     def remember_password(self, reference: str, password: str) -> None:
@@ -125,12 +133,39 @@ class RemoteBlobs:
                     self._open[reference] = self._open.get(reference, 0) + 1
                     break
                 self._lock.wait()
+            self._busy.add(id(route))
         try:
             yield route
         finally:
             with self._lock:
+                self._busy.discard(id(route))
                 self._idle.setdefault(reference, []).append(route)
                 self._lock.notify()
+
+    def _import_for(self, route: Route) -> BlobImporter[Record]:
+        """The import the route's fetches go into (the caller holds the route), begun when it has none."""
+        with self._lock:
+            held = self._imports.get(id(route))
+        if held is not None:
+            return held[0]
+        importer = self.store.importer()
+        with self._lock:
+            self._imports[id(route)] = (importer, 0)
+        return importer
+
+    def _took(self, route: Route, failed: bool) -> None:
+        """One more blob in the route's import; it ends (in the background) once full, or when a fetch failed."""
+        with self._lock:
+            held = self._imports.get(id(route))
+            if held is None:
+                return
+            importer, count = held
+            if failed or count + 1 >= IMPORT_BATCH:
+                del self._imports[id(route)]
+            else:
+                self._imports[id(route)] = (importer, count + 1)
+                return
+        self._end_later(importer)
 
     def _new_route(self, origin: Mapping[str, Any], reference: str) -> Route:
         ref = parse_reference(reference)
@@ -151,14 +186,14 @@ class RemoteBlobs:
             tries += 1
             try:
                 with self._route(origin) as route:
-                    importer = self.store.importer()
+                    importer = self._import_for(route)
                     try:
                         fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size,
                                                route.ref.digest or "?", Tally(None), keep=pieces)
                     except BaseException:
-                        importer.abort()
+                        self._took(route, failed=True)
                         raise
-                self._end_later(importer, chunk.digest)
+                    self._took(route, failed=False)
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 left = start + self.retry_for - time.monotonic()
@@ -183,24 +218,39 @@ class RemoteBlobs:
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
         return b"".join(pieces) if fetched else None
 
-    def _end_later(self, importer: BlobImporter[Record], digest: str) -> None:
-        """End a fetch's import once its blob is durable and linked, in a thread of its own: the reader that
-        fetched it has its verified bytes already."""
+    def _end_later(self, importer: BlobImporter[Record]) -> None:
+        """End an import once its blobs are durable and linked, in a thread of its own: the readers that
+        fetched them have their verified bytes already."""
         def end() -> None:
             try:
                 importer.wait_linked()
             except Exception as exc:  # noqa: BLE001 - the bytes served their reader; the next one fetches again
-                log.warning("blob %s was fetched and verified, but the store could not keep it: %s", digest, exc)
+                log.warning("a blob was fetched and verified, but the store could not keep it: %s", exc)
             finally:
                 importer.abort()
 
         self._ending.submit(end)
 
+    def _end_imports(self, *, busy_too: bool) -> None:
+        """End the imports of the routes no fetch holds (of all routes, with ``busy_too``) in the background."""
+        with self._lock:
+            ending = [key for key in self._imports if busy_too or key not in self._busy]
+            importers = [self._imports.pop(key)[0] for key in ending]
+        for importer in importers:
+            self._end_later(importer)
+
     def drain(self) -> None:
         """Wait until every blob fetched so far is in the store (or the failure to keep it is logged)."""
+        self._end_imports(busy_too=False)
+        with self._lock:
+            held = [importer for importer, _ in self._imports.values()]
+        for importer in held:  # a fetch holds its route: its blobs so far are linked, its import goes on
+            with contextlib.suppress(Exception):  # logged once its import ends
+                importer.wait_linked()
         self._ending.wait()
 
     def close(self) -> None:
+        self._end_imports(busy_too=True)
         self._ending.close()
         with self._lock:
             for routes in self._idle.values():

@@ -165,6 +165,38 @@ def test_a_fetched_chunk_comes_back_verified_and_is_not_read_and_hashed_again(
         fetcher.close()
 
 
+def test_the_chunks_one_connection_fetches_go_into_one_import_at_a_time_and_drain_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch's chunk goes into its connection's import (one lease in ingest/, not one per chunk); the import
+    ends after a batch of chunks and at ``drain``, once its chunks are linked, leaving ingest/ empty."""
+    src = Store(tmp_path / "src", chunk_size=64 << 10)
+    with src.writer() as w:
+        w.add_bytes("containers/c/checkpoint/pages-1.img", random.Random(5).randbytes(1 << 20))
+        chunks = w.commit({"kind": "test"}).entry("containers/c/checkpoint/pages-1.img").chunks
+    assert len(chunks) >= 6
+    dst = Store(tmp_path / "dst")
+    server = Gated({c.digest: Path(src.blob_path(c.digest)).read_bytes() for c in chunks})
+    server.open()
+    fetcher = RemoteBlobs(dst, settings=from_mapping({"registry": {"connections": 1}}).registry)
+    begun: list[object] = []
+    real_importer = dst.importer
+    monkeypatch.setattr(dst, "importer", lambda **kw: begun.append(kw) or real_importer(**kw))
+    monkeypatch.setattr("node_agent.registry.fetching.IMPORT_BATCH", 2)
+    try:
+        for c in chunks[:5]:
+            assert read_or_fetch(dst.chunks, c, lambda c: fetcher(server.origin(), c)) == src.chunks.read_chunk(c)
+        assert len(begun) == 3, "five chunks, two to an import: three imports"
+        fetcher.drain()
+        assert os.listdir(dst.ingest_dir) == [] and all(dst.has_blob(c.digest) for c in chunks[:5])
+        assert read_or_fetch(dst.chunks, chunks[5], lambda c: fetcher(server.origin(), c))
+        assert len(os.listdir(dst.ingest_dir)) == 1 and len(begun) == 4, "the next fetch begins an import again"
+    finally:
+        server.close()
+        fetcher.close()
+    assert os.listdir(dst.ingest_dir) == [] and dst.has_blob(chunks[5].digest)
+
+
 def test_a_fetched_chunk_the_store_cannot_keep_still_serves_its_reader_and_is_fetched_again_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -188,7 +220,8 @@ def test_a_fetched_chunk_the_store_cannot_keep_still_serves_its_reader_and_is_fe
         assert read_or_fetch(dst.chunks, chunk, lambda c: fetcher(server.origin(), c)) == src.chunks.read_chunk(chunk)
         fetcher.drain()
         assert not dst.has_blob(chunk.digest) and os.listdir(dst.ingest_dir) == []
-        assert f"blob {chunk.digest} was fetched and verified, but the store could not keep it" in caplog.text
+        assert "a blob was fetched and verified, but the store could not keep it" in caplog.text
+        assert f"importing blob {chunk.digest}" in caplog.text
         failing[0] = False
         assert read_or_fetch(dst.chunks, chunk, lambda c: fetcher(server.origin(), c)) == src.chunks.read_chunk(chunk)
         fetcher.drain()
