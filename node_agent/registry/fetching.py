@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from node_agent.config.schema import RegistrySettings
-from node_agent.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from node_agent.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
 from node_agent.offload import Offload
 from node_agent.registry.auth import Credentials, TokenCache
 from node_agent.registry.endpoints import RegistryAccess, Route
@@ -186,14 +186,7 @@ class RemoteBlobs:
             tries += 1
             try:
                 with self._route(origin) as route:
-                    importer = self._import_for(route)
-                    try:
-                        fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size,
-                                               route.ref.digest or "?", Tally(None), keep=pieces)
-                    except BaseException:
-                        self._took(route, failed=True)
-                        raise
-                    self._took(route, failed=False)
+                    fetched = self._fetch(route, chunk, pieces)
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 left = start + self.retry_for - time.monotonic()
@@ -217,6 +210,27 @@ class RemoteBlobs:
                         tries, time.monotonic() - start, extra={"phase": "lazy-fetch"})
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
         return b"".join(pieces) if fetched else None
+
+    def _fetch(self, route: Route, chunk: ChunkLike, pieces: list[bytes]) -> bool:
+        """One try of a fetch on a route the caller holds: whether the blob was downloaded (else it is in the
+        store, linked)."""
+        for again in (False, True):
+            importer = self._import_for(route)
+            try:
+                fetched = _import_blob(route, importer, chunk.digest, chunk.stored_size, route.ref.digest or "?",
+                                       Tally(None), keep=pieces)
+            except BaseException:
+                self._took(route, failed=True)
+                raise
+            if fetched or _linked(importer):
+                self._took(route, failed=False)
+                return fetched
+            # An earlier fetch of this import brought it, but the store could not keep it (or another
+            # blob): a new import fetches it again.
+            self._took(route, failed=True)
+            if again:
+                break
+        raise Internal(f"blob {chunk.digest} was fetched twice, and the store kept it neither time")
 
     def _end_later(self, importer: BlobImporter[Record]) -> None:
         """End an import once its blobs are durable and linked, in a thread of its own: the readers that
@@ -258,3 +272,13 @@ class RemoteBlobs:
                     route.close()
             self._idle.clear()
             self._open.clear()
+
+
+def _linked(importer: BlobImporter[Record]) -> bool:
+    """Whether every blob the import took is in the store (waiting for the links still under way): a blob
+    it skipped as already taken (an earlier fetch of the same chunk) is readable from the store once it is."""
+    try:
+        importer.wait_linked()
+    except Exception:  # noqa: BLE001 - logged when the import ends
+        return False
+    return True

@@ -39,6 +39,7 @@ from node_agent.lazy.session import LazySession
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replica, Replicas, now_rfc3339
 from node_agent.store import Store
+from node_agent.store.blob_import import BlobImporter
 from node_agent.store.reading import read_or_fetch
 from testbed.httpanswers import LoopbackServer, answer
 from test_fault_handler import CHILD, LAZY, PAGE, Restored, mm_image, pagemap_image, restored  # noqa: F401
@@ -195,6 +196,46 @@ def test_the_chunks_one_connection_fetches_go_into_one_import_at_a_time_and_drai
         server.close()
         fetcher.close()
     assert os.listdir(dst.ingest_dir) == [] and dst.has_blob(chunks[5].digest)
+
+
+def test_a_chunk_fetched_again_before_its_first_fetch_is_linked_is_read_from_the_store_once_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same chunk asked for twice through one connection (a file whose content repeats): the second
+    fetch finds it taken by the import already, waits for its link and lets the reader read the store."""
+    src, chunk, data = _chunk_store(tmp_path / "src")
+    dst = Store(tmp_path / "dst")
+    server = Gated({chunk.digest: data})
+    server.open()
+    fetcher = RemoteBlobs(dst, settings=from_mapping({"registry": {"connections": 1}}).registry)
+    linking = threading.Event()  # the link threads wait until someone waits for them
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread().name.startswith("import-link"):
+            assert linking.wait(60), "nobody waited for the link"
+        real_fsync(fd)
+
+    real_wait = BlobImporter.wait_linked
+
+    def wait_linked(self: BlobImporter) -> None:
+        linking.set()
+        real_wait(self)
+
+    monkeypatch.setattr("node_agent.store.blob_import.os.fsync", fsync)
+    monkeypatch.setattr(BlobImporter, "wait_linked", wait_linked)
+    try:
+        def fetch(c: Any) -> bytes | None:
+            return fetcher(server.origin(), c)
+
+        want = src.chunks.read_chunk(chunk)
+        assert read_or_fetch(dst.chunks, chunk, fetch) == want and not dst.has_blob(chunk.digest)
+        assert fetcher(server.origin(), chunk) is None and dst.has_blob(chunk.digest)
+        assert read_or_fetch(dst.chunks, chunk, fetch) == want and len(server.requests) == 1
+    finally:
+        linking.set()
+        server.close()
+        fetcher.close()
 
 
 def test_a_fetched_chunk_the_store_cannot_keep_still_serves_its_reader_and_is_fetched_again_later(

@@ -349,7 +349,8 @@ def test_free_space_taken_while_pulling_stops_the_pull(tmp_path: Path, registry:
     monkeypatch.setattr(dst, "free_bytes", free_bytes)
     with pytest.raises(ResourceExhausted, match="must stay free"):
         _bring(dst, registry.ref("ckpt/web:v1"), min_free_bytes=MiB)
-    assert len(looks) == 2 and dst.list() == []
+    # The second look stopped it; a lane that charged its piece at the same moment may have looked too.
+    assert len(looks) >= 2 and dst.list() == []
 
 
 class _Space:
