@@ -123,10 +123,11 @@ def _after_calls(row: dict[str, Any]) -> str:
             f"{fmt.pct(row.get('pod_after_registry_cpu'))}" + ("" if iowait is None else f"; I/O {fmt.pct(iowait)}"))
 
 
-def _cpu_seconds(row: dict[str, Any], key: str, seconds: str, cores: int) -> float | None:
-    """The CPU seconds a column took of the whole machine: its busy share of all cores times its time."""
-    share, took = row.get(f"{key}_cpu_busy" if key else "cpu_busy"), row.get(seconds)
-    return None if share is None or took is None else share * cores * took
+def _cpu_seconds(row: dict[str, Any], share: str, seconds: str, cores: int) -> float | None:
+    """CPU seconds from a column's share of all cores (`share`: its busy share, or the registries') times its
+    time."""
+    of_all, took = row.get(share), row.get(seconds)
+    return None if of_all is None or took is None else of_all * cores * took
 
 
 def floors(row: dict[str, Any], cores: int) -> dict[str, tuple[float, str]]:
@@ -143,15 +144,14 @@ def floors(row: dict[str, Any], cores: int) -> dict[str, tuple[float, str]]:
     * push: at least the registry's own upload of the same blobs from a bare client (the PUT bound).
     """
     out: dict[str, tuple[float, str]] = {}
-    same = _cpu_seconds(row, "same_node", "same_node_answer_s", cores)
-    serve = None if row.get("get_registry_cpu") is None or row.get("get_s") is None else (
-        row["get_registry_cpu"] * cores * row["get_s"])
+    same = _cpu_seconds(row, "same_node_cpu_busy", "same_node_answer_s", cores)
+    serve = _cpu_seconds(row, "get_registry_cpu", "get_s", cores)
     if same is not None and serve is not None:
         least = max(row["same_node_answer_s"], (same + serve) / cores)
         out["restore"] = (least, f"(the same-node restore's {same:.1f} CPU s + the registries' {serve:.1f} CPU s "
                                  f"serving the checkpoint to the GET bound) / {cores} cores = {(same + serve) / cores:.2f} s, "
                                  f"and not under the same-node restore's {fmt.s(row['same_node_answer_s'])}")
-    get_all, sha = _cpu_seconds(row, "get", "get_s", cores), row.get("sha256_cpu_s")
+    get_all, sha = _cpu_seconds(row, "get_cpu_busy", "get_s", cores), row.get("sha256_cpu_s")
     if get_all is not None and sha is not None:
         out["pull"] = ((get_all + sha) / cores, f"(the machine's {get_all:.1f} CPU s over the GET bound + "
                                                 f"{sha:.2f} CPU s of sha256 over the checkpoint) / {cores} cores")
