@@ -41,7 +41,8 @@ from node_agent.oci import digest_hex, sha256_digest
 from node_agent.offload import Offload
 from node_agent.store.blobs import BlobStore
 from node_agent.store.chunk_reader import ChunkReader
-from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, os_error, write_all
+from node_agent.store.direct import NewFile
+from node_agent.store.files import O_CLOEXEC, O_NOFOLLOW, os_error
 from node_agent.store.ingest import BLOB_PREFIX, Ingest
 from node_agent.store.locking import store_lock
 from node_agent.store.gc import Collector
@@ -65,7 +66,6 @@ log = logging.getLogger(__name__)
 
 _READ_SIZE: Final = 1 << 20
 _LINKERS: Final = 4  # fsyncs at once: several, so that a pull's lanes seldom wait for a link thread
-_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
 
 
 def _pieces(stream: BinaryIO | Iterable[bytes]) -> Iterator[bytes]:
@@ -201,21 +201,22 @@ class BlobImporter:
     def _receive(self, temp: str, digest: str, size: int, stream: BinaryIO | Iterable[bytes]) -> None:
         hasher = hashlib.sha256()
         got = 0
-        fd = os.open(temp, _NEW_FILE, FILE_MODE)
+        out = NewFile(temp)  # past the page cache: nobody reads it back soon (store/direct.py)
         try:
             for piece in _pieces(stream):
                 got += len(piece)
                 if got > size:
                     raise DataLoss(f"blob {digest}: received more than the expected {size} bytes")
                 hasher.update(piece)
-                write_all(fd, piece)
+                out.write(piece)
             if got != size:
                 raise DataLoss(f"blob {digest}: received {got} bytes, expected {size}")
             actual = "sha256:" + hasher.hexdigest()
             if actual != digest:
                 raise DataLoss(f"blob {digest}: received bytes hash to {actual}")
+            out.finish()
         finally:
-            os.close(fd)
+            out.close()
 
     def stage(self, manifest: bytes, *, deferred: Collection[str] = (), provenance: str = PULLED) -> CheckpointRecord:
         """Validate ``manifest`` and its config, require every blob, store the manifest blob; the record.
