@@ -345,6 +345,10 @@ def _run_line(doc: dict[str, Any]) -> str:
     warmed = r.get("memory_warmed")
     if warmed:
         line += f" The machine's free memory was touched once first ({warmed['gib']} GiB in {warmed['s']} s)."
+    given_back = r.get("memory_given_back_gib")
+    if given_back is not None:
+        line += (f" The host took back {given_back} GiB of freed memory while it ran (free page reporting; each"
+                 " page costs a fault in the host when next used).")
     if runs < 3:
         line = f"Fewer than 3 runs: not a measurement to rely on. {line}"
     return textwrap.fill(line, width=104, break_on_hyphens=False) + "\n"

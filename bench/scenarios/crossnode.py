@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.harness.base import log
-from bench.harness.machine import REPO, machine_info, tree_digest, warm_memory
+from bench.harness.machine import REPO, machine_info, memory_given_back, tree_digest
 from bench.harness.main import docs_only, guarded, not_root, write_json
 from bench.report import crossnode as report
 from bench.report import docs, encryption, image_check, results
@@ -92,10 +92,8 @@ def measure(cluster: Cluster) -> dict[str, Any]:
         node.op_timeout = timeout
     out: dict[str, Any] = {"sizes": {}, "runs": args.runs, "connections": cluster.connections,
                            "nodes": {"a": cluster.b.name, **{n: x.b.name for n, x in cluster.targets.items()}},
-                           "memory_warmed": warm_memory(),
                            "loadavg": {"start": [round(x, 2) for x in os.getloadavg()]}}
-    log(f"the machine's free memory touched once first: {out['memory_warmed']['gib']} GiB in "
-        f"{out['memory_warmed']['s']} s")
+    given_back = memory_given_back()
     started = time.time()
     cpu = CpuLog(watch=cluster.registry_cpu)
     cpu.start()
@@ -106,6 +104,9 @@ def measure(cluster: Cluster) -> dict[str, Any]:
         cpu.stop()
     out["loadavg"]["end"] = [round(x, 2) for x in os.getloadavg()]
     out["elapsed_s"] = round(time.time() - started, 1)
+    now = memory_given_back()
+    if given_back is not None and now is not None:
+        out["memory_given_back_gib"] = round(now - given_back, 1)
     return out
 
 

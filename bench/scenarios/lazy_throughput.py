@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.harness.machine import warm_memory
+from bench.harness.machine import memory_given_back
 from bench.scenarios.crossnode_paths import CpuLog, get_bound
 from node_agent.config.schema import RegistrySettings
 from node_agent.lazy import uffd
@@ -179,8 +179,7 @@ def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) 
 def main(args: argparse.Namespace) -> int:
     """bench/lazy_throughput.py once its arguments are parsed."""
     size = args.mib << 20
-    warmed = warm_memory()
-    print(f"the machine's free memory touched once first: {warmed['gib']} GiB in {warmed['s']} s", flush=True)
+    given_back = memory_given_back()
     root = Path(tempfile.mkdtemp(prefix="na-lazy-throughput-"))
     rows: dict[str, list[tuple[float, dict[str, float | None]]]] = {}
     try:
@@ -213,6 +212,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.mib} MiB of incompressible pages, median of {args.runs} interleaved runs, {os.cpu_count()} cores;")
+    now = memory_given_back()
+    if given_back is not None and now is not None:
+        print(f"the host took back {now - given_back:.1f} GiB of freed memory meanwhile (free page reporting)")
     print("CPU busy: of all cores, over the stage; registry: the share of all cores the registry took")
     print(f"{'stage':<24}  {'seconds':>8}  {'MB/s':>8}  {'CPU busy':>8}  {'registry':>8}")
     for name, samples in rows.items():
