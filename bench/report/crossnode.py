@@ -30,7 +30,7 @@ LIMITS = {"pod_same": 1.5, "cli_same": 1.5, "sandbox_s": 1.0, "pod_cold": 1.0, "
 
 
 PATHS = ("cold", "same_node", "cli", "pod")
-TRANSFERS = ("get", "pull", "push", "put")
+TRANSFERS = ("get", "cache_get", "pull", "push", "put")
 Table = tuple[str, list[str], list[list[str]]]
 
 
@@ -137,19 +137,22 @@ def floors(row: dict[str, Any], cores: int) -> dict[str, tuple[float, str]]:
     * restore on another node: it does what the same node's restore does (CRIU, the process, the agent's
       reading and checking of every page) and the registry must serve it the checkpoint besides. So it takes
       at least the CPU seconds of the same-node restore (its busy share times its time) plus those the
-      registries spent serving the checkpoint to a bare reader (the GET bound, the cheapest read there is),
-      over the cores; and no less than the same-node restore itself.
+      registries spent serving the checkpoint to a bare reader (the GET bound, the cheapest read there is,
+      from the cache the CLI and Pod paths read through where it was measured, else from the origin), over
+      the cores; and no less than the same-node restore itself.
     * full pull: at least everything the machine did for the GET bound (the registry, a reader, whatever else
       ran) plus computing the sha256 of every byte (measured in the run), over the cores.
     * push: at least the registry's own upload of the same blobs from a bare client (the PUT bound).
     """
     out: dict[str, tuple[float, str]] = {}
     same = _cpu_seconds(row, "same_node_cpu_busy", "same_node_answer_s", cores)
-    serve = _cpu_seconds(row, "get_registry_cpu", "get_s", cores)
+    via = "cache_get" if row.get("cache_get_s") is not None else "get"
+    serve = _cpu_seconds(row, f"{via}_registry_cpu", f"{via}_s", cores)
     if same is not None and serve is not None:
         least = max(row["same_node_answer_s"], (same + serve) / cores)
+        bound = "the cache's GET bound" if via == "cache_get" else "the GET bound"
         out["restore"] = (least, f"(the same-node restore's {same:.1f} CPU s + the registries' {serve:.1f} CPU s "
-                                 f"serving the checkpoint to the GET bound) / {cores} cores = {(same + serve) / cores:.2f} s, "
+                                 f"serving the checkpoint to {bound}) / {cores} cores = {(same + serve) / cores:.2f} s, "
                                  f"and not under the same-node restore's {fmt.s(row['same_node_answer_s'])}")
     get_all, sha = _cpu_seconds(row, "get_cpu_busy", "get_s", cores), row.get("sha256_cpu_s")
     if get_all is not None and sha is not None:
@@ -279,11 +282,11 @@ def _origin(share: float | None, stored: float) -> str:
 
 def _cpu_cell(row: dict[str, Any], key: str) -> str:
     iowait = row.get(f"{key}_cpu_iowait")
-    return fmt.pct(row[f"{key}_cpu_busy"]) + ("" if iowait is None else f" (I/O {fmt.pct(iowait)})")
+    return fmt.pct(row.get(f"{key}_cpu_busy")) + ("" if iowait is None else f" (I/O {fmt.pct(iowait)})")
 
 
 def _rated(seconds: float | None, mbps: float | None) -> str:
-    return f"{fmt.s(seconds)}, {fmt.mbps(mbps)}"
+    return "-" if seconds is None else f"{fmt.s(seconds)}, {fmt.mbps(mbps)}"
 
 
 def tables(doc: dict[str, Any]) -> list[Table]:
@@ -312,21 +315,22 @@ def tables(doc: dict[str, Any]) -> list[Table]:
            fmt.s(r["image_pull_s"])] for w, r in rows]),
         ("The registry (medians; bytes the origin served / the checkpoint's stored bytes)",
          ["weights", "checkpoint stored", "origin: first node", "origin: next two at once", "GET bound",
-          "full pull", "push", "PUT bound"],
+          "GET bound, the cache", "full pull", "push", "PUT bound"],
          [[w, fmt.mib(r["stored_bytes"]), _origin(r["fan_first_origin"], r["stored_bytes"]),
            _origin(r["fan_two_origin"], r["stored_bytes"]),
            _rated(r["get_s"], r["get_mbps"]) + f" ({r['connections'] or 0:.0f} connections)",
+           _rated(r.get("cache_get_s"), r.get("cache_get_mbps")),
            _rated(r["pull_s"], r["pull_mbps"]), _rated(r["push_s"], r["push_mbps"]),
            _rated(r["put_s"], r["put_mbps"])] for w, r in rows]),
         (f"CPU busy over each interval, and idle waiting for I/O where measured (medians, share of all {cores} "
          "cores, /proc/stat)",
-         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
-          "PUT bound"],
+         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound",
+          "GET bound, the cache", "pull", "push", "PUT bound"],
          [[w, *(_cpu_cell(r, p) for p in PATHS), _cpu_cell(r, "fan_two"), *(_cpu_cell(r, op) for op in TRANSFERS)]
           for w, r in rows]),
         (f"Of it, the registries' CPU (the origin and the cache; medians, share of all {cores} cores, /proc/PID/stat)",
-         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound", "pull", "push",
-          "PUT bound"],
+         ["weights", "cold", "same node", "CLI path", "Pod path", "fan-out: B and D", "GET bound",
+          "GET bound, the cache", "pull", "push", "PUT bound"],
          [[w, *(fmt.pct(r.get(f"{p}_registry_cpu")) for p in PATHS), fmt.pct(r.get("fan_two_registry_cpu")),
            *(fmt.pct(r.get(f"{op}_registry_cpu")) for op in TRANSFERS)] for w, r in rows]),
     ]

@@ -441,11 +441,17 @@ class Columns:
     # ---- 6: full pull and push against the registry's own bound -------------------------
 
     def throughput(self, label: str) -> dict[str, Any]:
-        """The GET bound from the origin, a full pull on B straight from the origin, a push from A into a new
-        repository of the origin (every blob uploaded again)."""
+        """The GET bound from the origin and from the cache the CLI and Pod paths read through (filled by the
+        fan-out), a full pull on B straight from the origin, a push from A into a new repository of the origin
+        (every blob uploaded again)."""
         node, origin = self.cluster.targets["b"], self.cluster.reg
         get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
         get.update(self._cpu(get.pop("m0"), get["s"]))
+        self.cluster.settle()
+        assert self.cluster.cache is not None, "the fan-out made the cache"
+        cache_get = get_bound(self.cluster.cache, CKPT_REPO, self.model.blobs, self.cluster.connections,
+                              self.timeout)
+        cache_get.update(self._cpu(cache_get.pop("m0"), cache_get["s"]))
         self.cluster.settle()
         self.cluster.point(node, None)
         try:
@@ -468,4 +474,5 @@ class Columns:
         put = put_bound(origin, f"ckpts/put-{label}-{secrets.token_hex(3)}", self.model.blobs,
                         os.path.join(self.cluster.b.store, "blobs", "sha256"), self.cluster.connections, self.timeout)
         put.update(self._cpu(put.pop("m0"), put["s"]))
-        return {"get": get, "pull": pull, "push": push, "put": put, "sha256": {"cpu_s": verify_cost(self.model.stored)}}
+        return {"get": get, "cache_get": cache_get, "pull": pull, "push": push, "put": put,
+                "sha256": {"cpu_s": verify_cost(self.model.stored)}}

@@ -244,7 +244,7 @@ def test_the_crossnode_block_renders_its_medians_targets_and_tables_from_a_fixed
             "fan-out: C, cache empty | fan-out: B and D at once |") in block
     assert "| 256 MiB | 3 | 1.00 s | 0.80 s (lazy) | 1.10 s | 1.40 s | 2.00 s | 1.70 s |" in block
     assert ("| 1024 MiB | 1024.0 MiB | 2.000x (2048.0 MiB) | 0.050x (51.2 MiB) | 1.00 s, 1074 MB/s (8 connections) "
-            "| 1.20 s, 895 MB/s | 1.50 s, 716 MB/s |") in block
+            "| - | 1.20 s, 895 MB/s | 1.50 s, 716 MB/s |") in block, "no GET bound from the cache measured: a dash"
     text = docs.render(docs.DOCS.read_text(), *_committed(), crossnode=doc)
     rendered = {m.group(1): m.group(2) for m in docs.BLOCK.finditer(text)}
     assert rendered["crossnode"].strip() == block.strip()
@@ -280,3 +280,17 @@ def test_a_crossnode_miss_is_bounded_by_the_machine_only_where_the_runs_own_cpu_
     block = crossnode.crossnode_block(doc)
     assert "| 1.75x | <= 1.50x | MISS (by 17%); bounded by this machine: its floor is 1.88x |" in block
     assert "| 1.88x | <= 1.50x | 1.75x | no: the floor is over the limit |" in block
+    # The CLI and Pod paths read through the cache: where its own GET bound was measured, the registries' part
+    # of their floor is what the cache spent on it: (1.0 x 2 x 0.80 s + 0.8 x 2 x 1.20 s) / 2 = 1.76 s = 2.2x.
+    for size in raw["results"]["sizes"].values():
+        for sample in size["samples"]:
+            scale = sample["throughput"]["get"]["s"]
+            sample["throughput"]["cache_get"] = {"s": 1.2 * scale, "bytes": GIB, "connections": 8, "cpu_busy": 0.9,
+                                                 "registry_cpu": 0.8}
+    path.write_text(json.dumps(raw))
+    doc = crossnode.load(path)
+    assert doc is not None
+    judged = {t["key"]: t for t in doc["targets"]}
+    assert judged["xn_pod_same"]["floor"] == pytest.approx(2.2) and "the cache's GET bound" in judged["xn_pod_same"]["floor_how"]
+    assert judged["xn_pull"]["floor"] == pytest.approx(1.15), "a full pull reads the origin: its floor is the origin's"
+    assert "| 1.20 s, 895 MB/s | 1.20 s, 895 MB/s |" in crossnode.crossnode_block(doc)
