@@ -352,9 +352,6 @@ def _run_line(doc: dict[str, Any]) -> str:
             f"{m.get('runc', '?')}, CRIU {m.get('criu', '?')}; registry.connections {r.get('connections', '?')}; "
             f"node-agent {m.get('node_agent_commit', '?')}; load average "
             f"{fmt.loadavg(r.get('loadavg'), m.get('cores'))}; {elapsed}.")
-    warmed = r.get("memory_warmed")
-    if warmed:
-        line += f" The machine's free memory was touched once first ({warmed['gib']} GiB in {warmed['s']} s)."
     given_back = r.get("memory_given_back_gib")
     if given_back is not None:
         line += (f" The host took back {given_back} GiB of freed memory while it ran (free page reporting; each"

@@ -39,6 +39,7 @@ from node_agent.api.pod_restores import RESTORE_FROM
 from node_agent.cli.client import CliError, Client, pb
 from node_agent.cri import CriClient
 from node_agent.store.direct import NewFile
+from node_agent.store.files import fsync_dir
 from testbed.bed import container_config, pod_config
 from testbed.bed import run as cri_run
 from testbed.kubelet import Kubelet
@@ -204,7 +205,8 @@ def store_cost(blobs: list[tuple[str, int]], where: str) -> float:
     try:
         started = time.thread_time()
         for digest, size in blobs:
-            temp = os.path.join(scratch, f"blob-{digest.split(':', 1)[1]}")
+            name = digest.split(":", 1)[1]
+            temp = os.path.join(scratch, f"blob-{name}")
             out = NewFile(temp)
             try:
                 out.write(data[:size])
@@ -212,12 +214,8 @@ def store_cost(blobs: list[tuple[str, int]], where: str) -> float:
                 os.fsync(out.fd)
             finally:
                 out.close()
-            os.rename(temp, os.path.join(scratch, digest.split(":", 1)[1]))
-        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            os.rename(temp, os.path.join(scratch, name))
+        fsync_dir(scratch)
         return round(time.thread_time() - started, 4)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Final
 
-from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, write_all
+from node_agent.store.files import FILE_MODE, NEW_FILE, write_all
 
 BLOCK: Final = 4096
 """The alignment of a direct write's address, length and offset (the largest logical block size in use)."""
@@ -36,7 +36,6 @@ BUFFER: Final = 1 << 20
 KEEP: Final = 16
 """Buffers kept for the next files once given back; more than that are unmapped."""
 O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
-_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
 
 _free: list[mmap.mmap] = []
 _lock = threading.Lock()
@@ -68,13 +67,17 @@ class NewFile:
     def __init__(self, path: str) -> None:
         self.direct = O_DIRECT != 0
         try:
-            self.fd = os.open(path, _NEW_FILE | O_DIRECT, FILE_MODE)
+            self.fd = os.open(path, NEW_FILE | O_DIRECT, FILE_MODE)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not self.direct:
                 raise
             self.direct = False
-            self.fd = os.open(path, _NEW_FILE, FILE_MODE)
-        self._buf: mmap.mmap | None = _take() if self.direct else None
+            self.fd = os.open(path, NEW_FILE, FILE_MODE)
+        try:
+            self._buf: mmap.mmap | None = _take() if self.direct else None
+        except BaseException:
+            os.close(self.fd)
+            raise
         self._fill = 0  # bytes waiting in the buffer
         self._size = 0  # bytes given so far
         self._written = 0  # bytes the buffer sent to the file so far

@@ -25,7 +25,8 @@ _SCAN_BLOCK: Final = 1 << 20
 O_CLOEXEC: Final = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
 O_DIRECTORY: Final = getattr(os, "O_DIRECTORY", 0)
-_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+"""Open flags of a file the store makes: new, never through a final symlink."""
 
 
 def os_error(exc: OSError, what: str) -> AgentError:
@@ -76,7 +77,7 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview, *, sync: boo
 
     A failed write removes the partial file.
     """
-    fd = os.open(path, _NEW_FILE, FILE_MODE)
+    fd = os.open(path, NEW_FILE, FILE_MODE)
     try:
         write_all(fd, data)
         if sync:

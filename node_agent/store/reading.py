@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Final
 
 from node_agent.errors import DataLoss, FailedPrecondition
 from node_agent.store.chunk_reader import ChunkReader
-from node_agent.store.files import FILE_MODE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW
+from node_agent.store.files import FILE_MODE, NEW_FILE, O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW
 from node_agent.store.documents import Chunk, ChunkFetch, FileEntry, join_path
 from node_agent.store.records import BadBlob, CheckpointRecord
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DIR_OPEN: Final = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
-_NEW_FILE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
 _MAX_OPEN_FILES: Final = 64
 
 
@@ -251,7 +250,7 @@ def write_entries(
         try:
             for entry in files:
                 parent, _, name = entry.path.rpartition("/")
-                fd = os.open(name, _NEW_FILE, FILE_MODE, dir_fd=tree.dir_fd(parent))
+                fd = os.open(name, NEW_FILE, FILE_MODE, dir_fd=tree.dir_fd(parent))
                 tree.created.append((entry.path, False))
                 if entry.size:
                     # Size the file first: parallel pwrite()s then fill it in place.
