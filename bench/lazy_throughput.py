@@ -22,7 +22,11 @@ bare client over ``registry.connections`` connections) and a full pull. Each
 stage shows the machine's CPU busy share over it and the registry's own share
 (on a machine of few cores, the registry takes much of them):
 
-    .venv/bin/python bench/lazy_throughput.py [--mib 256] [--runs 3] [--registry]
+    .venv/bin/python bench/lazy_throughput.py [--mib 256] [--runs 3] [--registry] [--chunk-sizes 1024,4096]
+
+``--chunk-sizes`` (KiB, the store's chunking average) repeats the registry's
+stages for checkpoints cut at each size, interleaved: a chunk is one blob,
+one request (docs/store.md, "Chunk size").
 """
 
 from __future__ import annotations
@@ -39,8 +43,20 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--registry", action="store_true",
                     help="also from a loopback docker-registry, as a lazy pull on another node reads it")
+    ap.add_argument("--chunk-sizes", type=_kib_list, default=[],
+                    help="KiB, comma-separated: the registry's stages for each chunking average (default: the store's)")
     args = ap.parse_args()
     return measure(args)
+
+
+def _kib_list(text: str) -> list[int]:
+    try:
+        sizes = [int(part) << 10 for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of KiB: {text!r}") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("no chunk size given")
+    return sizes
 
 
 if __name__ == "__main__":

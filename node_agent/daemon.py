@@ -164,7 +164,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
         log.info("encryption key source %s", line)
     if s.signing.key_file:  # a key that cannot sign fails the start, not the first checkpoint
         log.info("checkpoints are signed by %s", signing.signer_for(s.signing.key_file).key_id)
-    store = Store(s.store, keys=keys)
+    store = Store(s.store, keys=keys, chunk_size=s.chunk_size)
     from node_agent.registry.fetching import RemoteBlobs
 
     remote = RemoteBlobs(store, settings=s.registry)

@@ -31,7 +31,7 @@ from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
 from node_agent.registry import Credentials, pull, push
 from node_agent.registry.fetching import RemoteBlobs
-from node_agent.store import Store
+from node_agent.store import DEFAULT_CHUNK_SIZE, Store
 from testbed.lazyimages import LAZY, PAGE, UFFD_PROCESS, mm_image, pagemap_image
 from testbed.registry import Registry
 
@@ -44,10 +44,10 @@ class _Remote:
     """The checkpoint pushed to a loopback docker-registry, and pulled from it lazily (its pages left there) by
     as many stores as asked for: each reads them from the registry as a page source on another node would."""
 
-    def __init__(self, registry: Registry, store: Store, cid: str) -> None:
+    def __init__(self, registry: Registry, store: Store, cid: str, tag: str = "pages") -> None:
         self.registry = registry
         self.settings = RegistrySettings()
-        self.reference = registry.ref("bench/lazy:pages")
+        self.reference = registry.ref(f"bench/lazy:{tag}")
         push(store, cid, self.reference, Credentials(plain_http=True), settings=self.settings)
         self.blobs = [(c.digest, c.stored_size) for c in store.get(cid).entry(PAGES_PATH).chunks]
 
@@ -183,13 +183,19 @@ def main(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="na-lazy-throughput-"))
     rows: dict[str, list[tuple[float, dict[str, float | None]]]] = {}
     try:
-        store = Store(root / "store")
-        with store.writer() as w:
-            w.add_bytes(PAGES_PATH, os.urandom(size))
-            cid = w.commit({"kind": "bench"}).id
+        pages = os.urandom(size)
+        sizes = args.chunk_sizes or [DEFAULT_CHUNK_SIZE]
+        stores: dict[int, tuple[Store, str]] = {}
+        for chunk_size in sizes:
+            store = Store(root / f"store-{chunk_size}", chunk_size=chunk_size)
+            with store.writer() as w:
+                w.add_bytes(PAGES_PATH, pages)
+                stores[chunk_size] = (store, w.commit({"kind": "bench"}).id)
+        store, cid = stores[sizes[0]]
         with contextlib.ExitStack() as stack:
-            remote = _Remote(stack.enter_context(Registry(root / "registry")), store, cid) if args.registry else None
-            cpu = CpuLog(watch=remote.registry.cpu_seconds if remote is not None else None)
+            registry = stack.enter_context(Registry(root / "registry")) if args.registry else None
+            remotes = {n: _Remote(registry, *stores[n], tag=f"chunks-{n}") for n in sizes} if registry else {}
+            cpu = CpuLog(watch=registry.cpu_seconds if registry is not None else None)
             cpu.start()
             stack.callback(cpu.stop)
 
@@ -203,25 +209,34 @@ def main(args: argparse.Namespace) -> int:
                 timed("UFFDIO_COPY", lambda: _copy(size))
                 timed("handler, idle", lambda: _handler(root, size // PAGE, read=False))
                 timed("handler, read", lambda: _handler(root, size // PAGE, read=True))
-                if remote is not None:
-                    timed("registry: GET", lambda: _get(remote))
-                    timed("registry: full pull", lambda: _pull(remote, root / f"full-{n}"))
-                    timed("registry: read + verify",
-                          lambda: _read_verify(store, cid, size, remote, root / f"pulled-{n}"))
-                    timed("registry: handler, read", lambda: _handler(root, size // PAGE, read=True, remote=remote))
+                for chunk_size, remote in remotes.items():
+                    of = f", {_mib(chunk_size)} chunks" if len(remotes) > 1 else ""
+                    local, local_id = stores[chunk_size]
+                    timed(f"registry: GET{of}", lambda: _get(remote))
+                    timed(f"registry: full pull{of}", lambda: _pull(remote, root / f"full-{n}"))
+                    timed(f"registry: read + verify{of}",
+                          lambda: _read_verify(local, local_id, size, remote, root / f"pulled-{n}"))
+                    timed(f"registry: handler, read{of}",
+                          lambda: _handler(root, size // PAGE, read=True, remote=remote))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{args.mib} MiB of incompressible pages, median of {args.runs} interleaved runs, {os.cpu_count()} cores;")
+    print(f"{args.mib} MiB of incompressible pages, median of {args.runs} interleaved runs, {os.cpu_count()} cores; "
+          f"chunks of {', '.join(_mib(n) for n in sizes)} on average")
     now = memory_given_back()
     if given_back is not None and now is not None:
         print(f"the host took back {now - given_back:.1f} GiB of freed memory meanwhile (free page reporting)")
     print("CPU busy: of all cores, over the stage; registry: the share of all cores the registry took")
-    print(f"{'stage':<24}  {'seconds':>8}  {'MB/s':>8}  {'CPU busy':>8}  {'registry':>8}")
+    width = max(24, *(len(name) for name in rows))
+    print(f"{'stage':<{width}}  {'seconds':>8}  {'MB/s':>8}  {'CPU busy':>8}  {'registry':>8}")
     for name, samples in rows.items():
         med = statistics.median(took for took, _ in samples)
         shares = [_median_pct([c[key] for _, c in samples]) for key in ("cpu_busy", "registry_cpu")]
-        print(f"{name:<24}  {med:8.3f}  {size / med / 1e6:8.0f}  {shares[0]:>8}  {shares[1]:>8}")
+        print(f"{name:<{width}}  {med:8.3f}  {size / med / 1e6:8.0f}  {shares[0]:>8}  {shares[1]:>8}")
     return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
 
 
 def _median_pct(values: list[float | None]) -> str:

@@ -30,6 +30,10 @@ DEFAULT_MIN_FREE_BYTES = 256 << 20
 Positive = Annotated[float, Meta(gt=0, le=sys.float_info.max)]
 NonNegative = Annotated[float, Meta(ge=0, le=sys.float_info.max)]
 Count = Annotated[int, Meta(ge=0)]
+# `chunk-size`: the store's chunking average (node_agent.store.chunking; checked equal by the tests).
+CHUNK_SIZE_DEFAULT = 1 << 20
+CHUNK_SIZE_MIN = 64 << 10
+CHUNK_SIZE_MAX = 4 << 20
 AtLeastOne = Annotated[int, Meta(ge=1)]
 
 LogFormat = Literal["text", "json"]
@@ -298,6 +302,12 @@ class Document(_Section, frozen=True):
     # Free bytes a restore leaves on the store's filesystem, beyond the
     # checkpoint's own size, and that every pull leaves free there.
     min_free_bytes: Count = DEFAULT_MIN_FREE_BYTES
+    # The average size of the content-defined chunks new checkpoints are cut
+    # into, in bytes (each chunk a quarter of it to four times it; a chunk is
+    # one blob, in the store and in a registry). Larger chunks move faster
+    # between nodes, smaller ones store less again when a few pages change
+    # between checkpoints (docs/store.md, "Chunk size").
+    chunk_size: Annotated[int, Meta(ge=CHUNK_SIZE_MIN, le=CHUNK_SIZE_MAX)] = CHUNK_SIZE_DEFAULT
     # Where pods' log directories live, and the cgroup parent, for pods made
     # from foreign (e.g. Podman) archives.
     pod_log_root: str = "/var/log/pods"

@@ -2,7 +2,8 @@
 
 Each chunk is read from the store (or fetched from the checkpoint's origin),
 checked against its sha256 and decoded when first needed, kept in a small
-LRU, and the next chunks of the file are read ahead in threads. Chunks are
+LRU (bounded in chunks and in bytes: `CACHE_BYTES`), and the next chunks of
+the file are read ahead in threads. Chunks are
 cut by content, so their edges fall anywhere; `pieces` hands out whole
 pages: runs of pages inside one chunk as views of it, and a page that
 straddles two chunks as its own assembled copy.
@@ -24,6 +25,8 @@ from node_agent.store.reading import read_or_fetch
 
 PAGE_SIZE: Final = 4096
 CACHE_CHUNKS: Final = 16
+CACHE_BYTES: Final = 64 << 20
+"""What one file's cache holds at most, about (never fewer chunks than it reads ahead, and two more)."""
 READ_AHEAD: Final = 6
 
 
@@ -39,7 +42,8 @@ class ChunkCache:
         fetch: ChunkFetch | None = None, read_ahead: int = READ_AHEAD,
     ) -> None:
         self.read_ahead = max(READ_AHEAD, read_ahead)
-        self.keep = max(CACHE_CHUNKS, 2 * self.read_ahead)
+        average = max(1, entry.size // max(1, len(entry.chunks)))
+        self.keep = max(self.read_ahead + 2, min(max(CACHE_CHUNKS, 2 * self.read_ahead), CACHE_BYTES // average))
         self.chunks = chunks
         self.fetch = fetch
         self.checkpoint_id = checkpoint_id
@@ -99,6 +103,11 @@ class ChunkCache:
             for later in range(index + 1, min(index + 1 + self.read_ahead, len(self.entry.chunks))):
                 self._future(later)
         return data
+
+    def release(self) -> None:
+        """Let go of the chunks held (their reader is done); a later read reads them again."""
+        with self.lock:
+            self.cache.clear()
 
     def warm(self, offset: int) -> None:
         """Start reading the chunks from ``offset`` on (before anyone asks for them)."""

@@ -344,7 +344,10 @@ class Handler:
             with self.lock:
                 if job in task.jobs:
                     task.jobs.remove(job)
+                done = not task.pending and not task.jobs
                 self.lock.notify_all()
+            if done:  # every page of this process is in: its chunks need not stay in memory
+                task.cache.release()
         return True
 
     def _copy_job(self, task: Task, job: Spans, ahead: bool) -> None:

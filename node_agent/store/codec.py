@@ -43,12 +43,23 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-# Probing a few small windows first spares compressing whole chunks that
-# won't shrink (most process memory of a model server is such data). The
-# probe depends only on the chunk's content, so encoding stays deterministic.
+# Probing small windows first spares compressing whole chunks that won't
+# shrink (most process memory of a model server is such data). The windows
+# are spread over the whole chunk, one per PROBE_STRIDE (at least three:
+# start, middle, end), so a compressible stretch inside a large chunk (zero
+# pages beside weights) is found. The probe depends only on the chunk's
+# content, so encoding stays deterministic.
 PROBE: Final = 4096
 PROBE_MIN_SIZE: Final = 64 << 10
 PROBE_RATIO: Final = 0.97
+PROBE_STRIDE: Final = 256 << 10
+
+
+def probe_offsets(n: int) -> list[int]:
+    """Where the probes of a chunk of ``n`` bytes (at least PROBE_MIN_SIZE) start."""
+    count = max(3, n // PROBE_STRIDE + 1)
+    last = n - PROBE
+    return sorted({i * last // (count - 1) for i in range(count)})
 
 
 def _looks_incompressible(data: bytes | bytearray | memoryview) -> bool:
@@ -57,7 +68,7 @@ def _looks_incompressible(data: bytes | bytearray | memoryview) -> bool:
         return False
     view = memoryview(data)
     cctx = _compressor()
-    for start in (0, n // 2 - PROBE // 2, n - PROBE):
+    for start in probe_offsets(n):
         if len(cctx.compress(view[start : start + PROBE])) < PROBE * PROBE_RATIO:
             return False
     return True

@@ -137,7 +137,9 @@ class ChunkPipeline:
         self._ingest = ingest
         self._workers = max(1, workers)
         segment = max(SEGMENT_SIZE, chunker.max_size)
-        big = segment + chunker.max_size
+        # A round reads up to a segment past what the last one left uncut (less than a chunk), and at least
+        # half a segment: its buffer holds at least one longest chunk, and at most a segment and a half.
+        big = segment + segment // 2
         self._segment = segment
         self._budget = _Budget(big, big * min(6, max(3, 2 + self._workers // 4)))
         self._executor: ThreadPoolExecutor | None = None
@@ -171,36 +173,54 @@ class ChunkPipeline:
         as soon as the reader notices it, and by the chunk's future.
         """
         out: list[PendingChunk] = []
-        carry = b""
+        # The last round's segment, held until what its chunker left uncut (at most one chunk) is copied to
+        # the front of the next round's buffer.
+        held: tuple[_Segment, memoryview, int, int] | None = None
         pos = 0
         left = max(0, size_hint)
         first = True
-        while True:
-            self.raise_failure()
-            # Read one byte past the expected end, to see the end in the same round.
-            room = min(self._segment, left + 1) if left or first else self._segment
-            first = False
-            buf = self._budget.take(len(carry) + room)
-            seg = _Segment(self._budget, buf)
-            try:
-                view = memoryview(buf)[: len(carry) + room]
-                view[: len(carry)] = carry
-                n = fill(fd, view[len(carry) :])
-                filled = len(carry) + n
-                eof = n < room
-                left = max(0, left - n)
-                cuts, consumed = self._chunker.cut(view[:filled], final=eof)
-                for start, length in cuts:
-                    out.append(PendingChunk(pos + start, length, self._submit(seg, start, length)))
-                carry = bytes(view[consumed:filled])
-                pos += consumed
-                del view
-            finally:
-                seg.release()
-            if on_segment is not None:
-                on_segment()
-            if eof:
-                return out
+        try:
+            while True:
+                self.raise_failure()
+                carried = held[3] - held[2] if held is not None else 0
+                # Read one byte past the expected end, to see the end in the same round.
+                room = max(self._segment - carried, self._segment // 2)
+                room = min(room, left + 1) if left or first else room
+                first = False
+                buf = self._budget.take(carried + room)
+                seg = _Segment(self._budget, buf)
+                try:
+                    view = memoryview(buf)[: carried + room]
+                    if held is not None:
+                        old, old_view, start, end = held
+                        held = None
+                        view[:carried] = old_view[start:end]
+                        old_view.release()
+                        old.release()
+                    n = fill(fd, view[carried:])
+                    filled = carried + n
+                    eof = n < room
+                    left = max(0, left - n)
+                    cuts, consumed = self._chunker.cut(view[:filled], final=eof)
+                    for start, length in cuts:
+                        out.append(PendingChunk(pos + start, length, self._submit(seg, start, length)))
+                    pos += consumed
+                    if consumed < filled:
+                        seg.retain()
+                        held = (seg, view, consumed, filled)
+                    else:
+                        view.release()
+                    del view
+                finally:
+                    seg.release()
+                if on_segment is not None:
+                    on_segment()
+                if eof:
+                    return out
+        finally:
+            if held is not None:
+                held[1].release()
+                held[0].release()
 
     def add_buffer(self, data: bytes | bytearray | memoryview) -> list[PendingChunk]:
         """Queue the chunks of an in-memory buffer (the caller keeps it alive and unchanged)."""

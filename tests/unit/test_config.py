@@ -18,6 +18,22 @@ def test_defaults_match_the_documented_flags() -> None:
     assert s.runc_root == "/run/containerd/runc/k8s.io"
 
 
+def test_chunk_size_is_the_stores_and_bounded(tmp_path: Path) -> None:
+    from node_agent.config import schema
+    from node_agent.store import DEFAULT_CHUNK_SIZE
+    from node_agent.store.chunking import MAX_AVERAGE, MIN_AVERAGE
+
+    assert Settings().chunk_size == schema.CHUNK_SIZE_DEFAULT == DEFAULT_CHUNK_SIZE
+    assert MIN_AVERAGE <= schema.CHUNK_SIZE_MIN and schema.CHUNK_SIZE_MAX == MAX_AVERAGE
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("chunk-size: 1048576\n")
+    assert load(str(cfg), {}).chunk_size == 1 << 20
+    for bad in (1 << 10, 8 << 20):
+        cfg.write_text(f"chunk-size: {bad}\n")
+        with pytest.raises(InvalidArgument, match="chunk-size"):
+            load(str(cfg), {})
+
+
 def test_file_then_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("store: /srv/na\nruntime-handler: restore\ntimeouts:\n  max-freeze: 5\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -243,3 +244,32 @@ def test_spans_agree_with_a_page_by_page_model_under_random_changes() -> None:
         for a, _i in list(model)[:5]:
             found = s.find(a)
             assert found is not None and found.start <= a < found.end
+
+
+def test_a_files_cache_is_bounded_in_bytes_and_let_go_when_its_reader_is_done(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from node_agent.lazy.chunks import CACHE_BYTES, ChunkCache
+
+    store = Store(tmp_path / "store", chunk_size=64 << 10)
+    data = _pages_bytes(2048)  # 8 MiB in chunks of about 80 KiB
+    with store.writer() as w:
+        w.add_bytes("pages-1.img", data)
+        record = w.commit({"kind": "test"})
+    entry = record.entry("pages-1.img")
+    with ThreadPoolExecutor(2) as pool:
+        small = ChunkCache(store.chunks, record.id, entry, pool, read_ahead=8)
+        assert small.keep == 16  # small chunks: the count bounds it, as it always did
+        assert b"".join(bytes(d[s:s + n]) for d, s, n in small.pieces(0, len(data))) == data
+        assert 0 < len(small.cache) <= small.keep
+        small.release()
+        assert not small.cache
+        assert bytes(small.read(PAGE, PAGE)[0]) == data[PAGE:2 * PAGE]  # read again, from the store
+    # Chunks of CACHE_BYTES / 4 each: four of them fill the budget, but a reader always keeps what it
+    # reads ahead and two more.
+    quarter = CACHE_BYTES // 4
+    big = dataclasses.replace(entry, size=8 * quarter, chunks=tuple(
+        dataclasses.replace(entry.chunks[0], offset=i * quarter, size=quarter) for i in range(8)))
+    with ThreadPoolExecutor(2) as pool:
+        assert ChunkCache(store.chunks, record.id, big, pool, read_ahead=8).keep == 10
+        assert ChunkCache(store.chunks, record.id, big, pool, read_ahead=1).keep == 8

@@ -171,7 +171,7 @@ def test_round_trip_tree(store: Store, tmp_path: Path) -> None:
     assert store.get(rec.id) == rec
     assert [r.id for r in store.list()] == [rec.id]
     big = rec.entry("pod/containers/app/checkpoint/pages-1.img")
-    assert big.size == 20 * MiB + 4 and len(big.chunks) > 5
+    assert big.size == 20 * MiB + 4 and len(big.chunks) > 20 * MiB // store.chunker.max_size
     assert all(store.chunker.min_size <= c.size <= store.chunker.max_size for c in big.chunks[:-1])
     assert rec.entry("pod/containers/app/checkpoint/empty.img").chunks == ()
     # the zeros compress to almost nothing; the side file and its copy share a blob
@@ -309,7 +309,8 @@ def test_shifted_regions_in_two_files_share_chunks(store: Store) -> None:
 def test_compressible_data_is_stored_compressed(store: Store, tmp_path: Path) -> None:
     text = b"".join(b"line %d of a very regular log\n" % (i % 977) for i in range(400_000))
     noise = os.urandom(4 * MiB)
-    rec = _commit_bytes(store, {"text": text, "noise": noise, "zeros": bytes(9 * MiB)})
+    zero_bytes = 2 * store.chunker.max_size + MiB  # runs of zeros as long as the longest chunk, and a rest
+    rec = _commit_bytes(store, {"text": text, "noise": noise, "zeros": bytes(zero_bytes)})
     for chunk in rec.entry("text").chunks:
         assert chunk.encoding == "zstd" and chunk.stored_size < chunk.size // 4
     for chunk in rec.entry("noise").chunks:
@@ -320,7 +321,23 @@ def test_compressible_data_is_stored_compressed(store: Store, tmp_path: Path) ->
     dest = tmp_path / "dest"
     dest.mkdir()
     store.materialize(rec.id, dest)
-    assert (dest / "text").read_bytes() == text and (dest / "zeros").read_bytes() == bytes(9 * MiB)
+    assert (dest / "text").read_bytes() == text and (dest / "zeros").read_bytes() == bytes(zero_bytes)
+
+
+def test_a_compressible_stretch_inside_a_large_chunk_is_found() -> None:
+    from node_agent.store import codec
+
+    n = 4 * MiB
+    noise = random.Random(9).randbytes(n)
+    assert codec.encode(noise)[1] == "identity"
+    offsets = codec.probe_offsets(n)
+    assert offsets[0] == 0 and offsets[-1] == n - codec.PROBE
+    assert max(b - a for a, b in zip(offsets, offsets[1:])) <= codec.PROBE_STRIDE
+    # Zero pages where neither the start, the middle nor the end of the chunk lie: found all the same.
+    mixed = noise[: 5 * MiB // 2] + bytes(MiB) + noise[7 * MiB // 2 :]
+    stored, encoding = codec.encode(mixed)
+    assert encoding == "zstd" and len(stored) < n - MiB + MiB // 8
+    assert codec.decode(bytes(stored), encoding, n) == mixed
 
 
 def test_encoding_is_deterministic(tmp_path: Path) -> None:
