@@ -9,7 +9,7 @@
 `up` starts a containerd of its own (root, state, sockets, runc root, CNI
 bridge and subnet, network namespaces) that runs beside other beds and beside
 a system containerd, imports four local images (the Debian one holds the
-real workloads) and prints the bed's description as one JSON object.
+real workloads; the torch image only when `--images` names it) and prints the bed's description as one JSON object.
 `restart` restarts its containerd as systemd would. `down` removes
 everything the bed created. `env` prints the JSON of a running bed. See
 docs/testbed.md.
@@ -37,7 +37,7 @@ from testbed.cleanup import clear_bed
 from testbed.config import cni_config, config_version_for, containerd_config, handler_names
 from testbed.host import TestbedError, alive, arg_value, kill, link_exists, log, read_argv, run, wait_gone, write_file
 from testbed.images import build_images, import_images
-from testbed.layout import INDEX_MAX, INDEX_MIN, IMAGES, STATE_ROOT, BedLayout, Lock, choose_index
+from testbed.layout import INDEX_MAX, INDEX_MIN, IMAGES, OPTIONAL_IMAGES, STATE_ROOT, BedLayout, Lock, choose_index
 from testbed.lifecycle import (
     containerd_binary,
     containerd_version,
@@ -85,9 +85,10 @@ def bed_info(bed: BedLayout, index: int, pid: int, handlers: list[str], binary: 
 
 
 def image_kinds(value: str | None) -> list[str]:
-    """The images a bed gets: all by default; `pause` always (it is the sandbox image)."""
+    """The images a bed gets: all but the optional ones (torch) by default; `pause` always
+    (it is the sandbox image)."""
     if not value:
-        return list(IMAGES)
+        return [k for k in IMAGES if k not in OPTIONAL_IMAGES]
     wanted = [k.strip() for k in value.split(",") if k.strip()]
     unknown = [k for k in wanted if k not in IMAGES]
     if unknown:
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                          "beside its binary, else runc on PATH, the system's)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for containerd (default 60)")
     up.add_argument("--images", metavar="KIND,...",
-                    help=f"import only these images (of {', '.join(IMAGES)}; pause always); default all")
+                    help=f"import only these images (of {', '.join(IMAGES)}; pause always); "
+                         f"default all but {', '.join(OPTIONAL_IMAGES)}")
     up.add_argument("--model-mib", type=int, metavar="N",
                     help=f"size of the Debian image's model weights in MiB (default ${MODEL_MIB_ENV}, "
                          f"else {MODEL_MIB_DEFAULT})")

@@ -1,10 +1,12 @@
-"""The Debian image, which holds every real workload: apt sources, debootstrap, the image's layers.
+"""The images built from Debian's packages: apt sources, debootstrap, the images' layers.
 
-A debootstrap minbase of the host's release from the mirror its apt sources
-name (deb822 .sources and one-line .list files), stripped and cached as a
-layer of its own; a small layer of workload programs and files (from
-scripts/testbed_images) with nginx's generated content; and the model
-server's weights (testbed/weights.py).
+The Debian image holds every real workload: a debootstrap minbase of the
+host's release from the mirror its apt sources name (deb822 .sources and
+one-line .list files), stripped and cached as a layer of its own; a small
+layer of workload programs and files (from scripts/testbed_images) with
+nginx's generated content; and the model server's weights
+(testbed/weights.py). The torch image is built the same way from Debian's
+PyTorch and OpenBLAS, with the torch server and its own weights.
 
 Rule: standard library only (see testbed/host.py).
 """
@@ -54,6 +56,16 @@ DEBIAN_STRIP = (
     "var/log/*.log", "var/log/apt/*",
     "etc/hostname", "etc/resolv.conf",  # the host's, copied by debootstrap; CRI mounts its own
 )
+# The torch image (not imported by default: `scripts/testbed up --images ...,torch`): a
+# debootstrap minbase of its own with Debian's PyTorch and OpenBLAS (cached as
+# torchroot-SUITE-ARCH-KEY.tar), the torch server, and TORCH_MIB of seeded weights
+# (128 layers of 1024 x 1024 float32) saved as .npy when the image is built.
+TORCH_PACKAGES = ("python3", "python3-torch", "python3-numpy", "libopenblas0-pthread", "procps")
+TORCH_PROGRAMS = {"torchserver.py": "usr/local/bin/torchserver"}
+TORCH_CMD = ["/usr/local/bin/torchserver"]
+TORCH_WEIGHTS = "opt/torchmodel/weights.npy"
+TORCH_SEED = b"node-agent-testbed-torch-1"
+TORCH_MIB = 512
 DEBIAN_MIRROR_ENV = "NODE_AGENT_DEBIAN_MIRROR"
 DEBOOTSTRAP_TIMEOUT_S = 1200.0
 APT_SOURCES_LIST = "/etc/apt/sources.list"
@@ -212,14 +224,15 @@ def remove_rootfs(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def debootstrap_layer(suite: str, arch: str, mirror: str, out: str) -> None:
-    """Runs debootstrap into a scratch dir of the cache and writes its rootfs as a layer."""
+def debootstrap_layer(suite: str, arch: str, mirror: str, out: str, packages: tuple[str, ...] = DEBIAN_PACKAGES) -> None:
+    """Runs debootstrap (minbase and `packages`) into a scratch dir of the cache and writes
+    its rootfs as a layer."""
     binary = shutil.which("debootstrap", path=PATH_ENV)
     if binary is None:
         raise TestbedError("debootstrap not found (run scripts/install-host)")
     root = tempfile.mkdtemp(prefix="rootfs.", dir=CACHE_DIR)
     logpath = os.path.join(CACHE_DIR, "debootstrap.log")
-    argv = [binary, "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", suite, root, mirror]
+    argv = [binary, "--variant=minbase", f"--include={','.join(packages)}", suite, root, mirror]
     env = {"PATH": PATH_ENV, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive", "HOME": "/root"}
     for key in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
         if key in os.environ:
@@ -245,16 +258,17 @@ def debootstrap_layer(suite: str, arch: str, mirror: str, out: str) -> None:
         remove_rootfs(root)
 
 
-def debian_program_layer(programs: dict[str, bytes], files: dict[str, bytes]) -> bytes:
-    """The workload layer of the Debian image: each program (mode 0755), each file (0644)
-    and nginx's static content."""
+def debian_program_layer(programs: dict[str, bytes], files: dict[str, bytes], nginx: bool = True) -> bytes:
+    """The workload layer of a Debian image: each program (mode 0755), each file (0644)
+    and (`nginx`) nginx's static content."""
     layer = Layer()
     for path, data in programs.items():
         layer.file(path, data, 0o755)
     for path, data in files.items():
         layer.file(path, data, 0o644)
-    layer.file(f"{NGINX_ROOT}/index.html", b"<html><body>node-agent test bed nginx</body></html>\n")
-    layer.file(f"{NGINX_ROOT}/blob.bin", b"".join(seeded_stream(NGINX_SEED, NGINX_BLOB_KIB << 10)))
+    if nginx:
+        layer.file(f"{NGINX_ROOT}/index.html", b"<html><body>node-agent test bed nginx</body></html>\n")
+        layer.file(f"{NGINX_ROOT}/blob.bin", b"".join(seeded_stream(NGINX_SEED, NGINX_BLOB_KIB << 10)))
     return layer.finish()
 
 
@@ -270,6 +284,20 @@ def _read_sources(names: dict[str, str]) -> dict[str, bytes]:
     return out
 
 
+def _root_key(suite: str, arch: str, mirror: str, packages: tuple[str, ...]) -> str:
+    """What a cached debootstrap layer is built from."""
+    h = hashlib.sha256()
+    for part in (IMAGE_FORMAT, suite, arch, ",".join(packages), mirror, "\n".join(DEBIAN_STRIP)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def _hash_sources(h: Any, sources: dict[str, dict[str, bytes]]) -> None:
+    for kind, contents in sources.items():
+        for dest in sorted(contents):
+            h.update(f"{kind}:{dest}".encode() + b"\0" + hashlib.sha256(contents[dest]).hexdigest().encode() + b"\0")
+
+
 def debian_inputs(mib: int) -> dict[str, Any]:
     """What the Debian image is built from (cheap: no network)."""
     suite = host_suite()
@@ -277,39 +305,65 @@ def debian_inputs(mib: int) -> dict[str, Any]:
     mirror = debian_mirror(suite)
     programs = _read_sources(DEBIAN_PROGRAMS)
     files = _read_sources(DEBIAN_FILES)
-    h = hashlib.sha256()
-    for part in (IMAGE_FORMAT, suite, arch, ",".join(DEBIAN_PACKAGES), mirror, "\n".join(DEBIAN_STRIP)):
-        h.update(part.encode() + b"\0")
-    layer_key = h.hexdigest()[:20]
+    layer_key = _root_key(suite, arch, mirror, DEBIAN_PACKAGES)
     h = hashlib.sha256()
     for part in (IMAGE_FORMAT, IMAGES["debian"], layer_key, json.dumps(DEBIAN_CMD), NGINX_ROOT, str(NGINX_BLOB_KIB),
                  NGINX_SEED.hex(), MODEL_PATH, MODEL_SEED.hex(), str(MODEL_COLS), str(mib)):
         h.update(part.encode() + b"\0")
-    for kind, contents in (("program", programs), ("file", files)):
-        for dest in sorted(contents):
-            h.update(f"{kind}:{dest}".encode() + b"\0" + hashlib.sha256(contents[dest]).hexdigest().encode() + b"\0")
+    _hash_sources(h, {"program": programs, "file": files})
     return {"suite": suite, "arch": arch, "mirror": mirror, "programs": programs, "files": files, "model_mib": mib,
             "layer": os.path.join(CACHE_DIR, f"debootstrap-{suite}-{arch}-{layer_key}.tar"),
             "key": h.hexdigest()[:20]}
 
 
-def build_debian(inputs: dict[str, Any], path: str, platform: dict[str, str]) -> None:
-    """Builds the Debian image tarball at `path`, running debootstrap only when the
-    cached base layer is missing. The caller holds the cache lock."""
-    layer_path = inputs["layer"]
+def torch_inputs() -> dict[str, Any]:
+    """What the torch image is built from (cheap: no network)."""
+    suite = host_suite()
+    arch = dpkg_arch()
+    mirror = debian_mirror(suite)
+    programs = _read_sources(TORCH_PROGRAMS)
+    layer_key = _root_key(suite, arch, mirror, TORCH_PACKAGES)
+    h = hashlib.sha256()
+    for part in (IMAGE_FORMAT, IMAGES["torch"], layer_key, json.dumps(TORCH_CMD), TORCH_WEIGHTS, TORCH_SEED.hex(),
+                 str(MODEL_COLS), str(TORCH_MIB)):
+        h.update(part.encode() + b"\0")
+    _hash_sources(h, {"program": programs})
+    return {"suite": suite, "arch": arch, "mirror": mirror, "programs": programs,
+            "layer": os.path.join(CACHE_DIR, f"torchroot-{suite}-{arch}-{layer_key}.tar"),
+            "key": h.hexdigest()[:20]}
+
+
+def _build(kind: str, inputs: dict[str, Any], packages: tuple[str, ...], programs: bytes,
+           weights: tuple[int, str, bytes], cmd: list[str], path: str, platform: dict[str, str]) -> None:
+    """Builds the image tarball of `kind` at `path` from its debootstrap layer (made only
+    when missing from the cache), `programs` (a layer) and the weights (MiB, path, seed).
+    The caller holds the cache lock."""
+    layer_path: str = inputs["layer"]
     if os.path.exists(layer_path):
         log(f"using cached layer {layer_path}")
     else:
-        debootstrap_layer(inputs["suite"], inputs["arch"], inputs["mirror"], layer_path)
-    log(f"building image {IMAGES['debian']} (model weights {inputs['model_mib']} MiB)")
+        debootstrap_layer(inputs["suite"], inputs["arch"], inputs["mirror"], layer_path, packages)
+    log(f"building image {IMAGES[kind]} (weights {weights[0]} MiB)")
     t0 = time.monotonic()
     scratch = tempfile.mkdtemp(prefix="build.", dir=CACHE_DIR)
     try:
-        programs = os.path.join(scratch, "programs.tar")
-        write_file(programs, debian_program_layer(inputs["programs"], inputs["files"]))
-        weights = os.path.join(scratch, "weights.tar")
-        weights_layer(inputs["model_mib"], weights)
-        oci_archive_file(IMAGES["debian"], [layer_path, programs, weights], DEBIAN_CMD, platform, path)
+        program_layer = os.path.join(scratch, "programs.tar")
+        write_file(program_layer, programs)
+        weights_tar = os.path.join(scratch, "weights.tar")
+        weights_layer(weights[0], weights_tar, weights[1], weights[2])
+        oci_archive_file(IMAGES[kind], [layer_path, program_layer, weights_tar], cmd, platform, path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     log(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.monotonic() - t0:.1f}s")
+
+
+def build_debian(inputs: dict[str, Any], path: str, platform: dict[str, str]) -> None:
+    """Builds the Debian image tarball at `path` (the caller holds the cache lock)."""
+    _build("debian", inputs, DEBIAN_PACKAGES, debian_program_layer(inputs["programs"], inputs["files"]),
+           (inputs["model_mib"], MODEL_PATH, MODEL_SEED), DEBIAN_CMD, path, platform)
+
+
+def build_torch(inputs: dict[str, Any], path: str, platform: dict[str, str]) -> None:
+    """Builds the torch image tarball at `path` (the caller holds the cache lock)."""
+    _build("torch", inputs, TORCH_PACKAGES, debian_program_layer(inputs["programs"], {}, nginx=False),
+           (TORCH_MIB, TORCH_WEIGHTS, TORCH_SEED), TORCH_CMD, path, platform)

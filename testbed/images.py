@@ -1,7 +1,7 @@
-"""The bed's images: busybox, pause, memhog and Debian, built once into a cache and imported.
+"""The bed's images: busybox, pause, memhog, Debian and torch, built once into a cache and imported.
 
 The small images are busybox (static) and binaries compiled static from
-scripts/testbed_images; the Debian image is testbed/debian.py's. The cache
+scripts/testbed_images; the Debian and torch images are testbed/debian.py's. The cache
 (/var/cache/node-agent-testbed/images) keys every tarball by what it is
 built from, and drops what a rebuild replaced.
 
@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 
-from testbed.debian import build_debian, debian_inputs, remove_rootfs
+from testbed.debian import build_debian, build_torch, debian_inputs, remove_rootfs, torch_inputs
 from testbed.host import TestbedError, log, run, write_file
 from testbed.layout import CACHE_DIR, IMAGE_FORMAT, IMAGE_SOURCES, IMAGES, BedLayout, Lock
 from testbed.oci import Layer, elf_is_static, oci_archive, oci_platform
@@ -66,9 +66,13 @@ def compile_static(source: str, out: str) -> None:
 
 def _cache_family(entry: str) -> str:
     """What a cached tarball is a version of: `busybox`, `debian-64m` (one per model
-    size), `debootstrap` (any suite), or `debian` (a tarball of an older layout)."""
+    size), `debootstrap` or `torchroot` (any suite), or `debian` (a tarball of an older
+    layout)."""
     head = entry[: -len(".tar")].rsplit("-", 1)[0]
-    return "debootstrap" if head.startswith("debootstrap-") else head
+    for family in ("debootstrap", "torchroot"):
+        if head.startswith(f"{family}-"):
+            return family
+    return head
 
 
 def build_images(kinds: list[str], mib: int = MODEL_MIB_DEFAULT) -> dict[str, str]:
@@ -76,6 +80,7 @@ def build_images(kinds: list[str], mib: int = MODEL_MIB_DEFAULT) -> dict[str, st
     `mib`: the size of the Debian image's model weights."""
     platform = oci_platform()
     debian = debian_inputs(mib) if "debian" in kinds else None
+    torch = torch_inputs() if "torch" in kinds else None
     busybox = busybox_binary()
     with open(busybox, "rb") as f:
         busybox_sum = hashlib.sha256(f.read()).hexdigest()
@@ -102,13 +107,20 @@ def build_images(kinds: list[str], mib: int = MODEL_MIB_DEFAULT) -> dict[str, st
     with Lock(os.path.join(CACHE_DIR, ".lock")):
         missing = {}
         for kind in kinds:
-            name = f"debian-{mib}m-{debian['key']}" if debian and kind == "debian" else f"{kind}-{key(kind)}"
+            if debian and kind == "debian":
+                name = f"debian-{mib}m-{debian['key']}"
+            elif torch and kind == "torch":
+                name = f"torch-{torch['key']}"
+            else:
+                name = f"{kind}-{key(kind)}"
             path = os.path.join(CACHE_DIR, f"{name}.tar")
             paths[kind] = path
             if not os.path.exists(path):
                 missing[kind] = path
         if debian is not None and "debian" in missing:
             build_debian(debian, missing.pop("debian"), platform)
+        if torch is not None and "torch" in missing:
+            build_torch(torch, missing.pop("torch"), platform)
         if missing:
             with tempfile.TemporaryDirectory(prefix="testbed-build-") as tmp:
                 bins = {}
@@ -130,9 +142,10 @@ def build_images(kinds: list[str], mib: int = MODEL_MIB_DEFAULT) -> dict[str, st
                                            [base_layer, binary_layer({"usr/local/bin/memhog": bins["memhog"]})],
                                            ["/usr/local/bin/memhog"], platform)
                     write_file(path, data)
-        keep = set(paths.values()) | ({debian["layer"]} if debian else set())
+        keep = set(paths.values()) | {inputs["layer"] for inputs in (debian, torch) if inputs}
         # Only what this build would rebuild: a Debian image of another model size stays.
         ours = [k for k in kinds if k != "debian"] + (["debian", f"debian-{mib}m", "debootstrap"] if debian else [])
+        ours += ["torchroot"] if torch else []
         for entry in os.listdir(CACHE_DIR):
             full = os.path.join(CACHE_DIR, entry)
             if entry.endswith(".tar") and full not in keep and _cache_family(entry) in ours:

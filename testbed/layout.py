@@ -39,7 +39,11 @@ IMAGES = {
     "pause": f"{IMAGE_PREFIX}/pause:1",
     "memhog": f"{IMAGE_PREFIX}/memhog:1",
     "debian": f"{IMAGE_PREFIX}/debian:1",
+    "torch": f"{IMAGE_PREFIX}/torch:1",
 }
+# Imported only when asked for (`scripts/testbed up --images ...`): the torch image
+# costs minutes to build and 1.6 GiB to import.
+OPTIONAL_IMAGES = ("torch",)
 # Bump when the image layout changes, so cached tarballs are rebuilt.
 IMAGE_FORMAT = "node-agent-testbed-image-4"
 # The workloads' sources: scripts/testbed_images of this checkout.

@@ -51,14 +51,14 @@ def npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
     return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode("latin-1")
 
 
-def model_weights(mib: int) -> tuple[int, Iterable[bytes]]:
+def model_weights(mib: int, seed: bytes = MODEL_SEED) -> tuple[int, Iterable[bytes]]:
     """The weights file: (its size, its bytes in chunks)."""
     rows = mib * (1 << 20) // (4 * MODEL_COLS)
     header = npy_header((rows, MODEL_COLS))
 
     def chunks() -> Iterable[bytes]:
         yield header
-        for raw in seeded_stream(MODEL_SEED, rows * MODEL_COLS * 4):
+        for raw in seeded_stream(seed, rows * MODEL_COLS * 4):
             buf = bytearray(raw)
             buf[3::4] = buf[3::4].translate(_FLOAT_TOP)
             yield bytes(buf)
@@ -102,14 +102,15 @@ class _ChunkReader:
         return out
 
 
-def weights_layer(mib: int, out: str) -> None:
-    """Writes the layer that holds the model's weights (uncompressed tar) to `out`."""
-    size, chunks = model_weights(mib)
+def weights_layer(mib: int, out: str, path: str = MODEL_PATH, seed: bytes = MODEL_SEED) -> None:
+    """Writes the layer that holds a model's weights (uncompressed tar) to `out`: the file
+    at `path` (under opt/), seeded by `seed`."""
+    size, chunks = model_weights(mib, seed)
     with open(out, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for d in ("opt", os.path.dirname(MODEL_PATH)):
+        for d in ("opt", os.path.dirname(path)):
             info = tarfile.TarInfo(d)
             info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
             tar.addfile(info)
-        info = tarfile.TarInfo(MODEL_PATH)
+        info = tarfile.TarInfo(path)
         info.size, info.mode, info.mtime = size, 0o644, 0
         tar.addfile(info, _ChunkReader(chunks))

@@ -91,6 +91,12 @@ def node3(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 
 @pytest.fixture(scope="session")
+def torchbed(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A node with the torch image (Debian's PyTorch and the torch server) and an agent of its own."""
+    yield from _second_bed("-torch", tmp_path_factory.mktemp("torch"), images="pause,torch")
+
+
+@pytest.fixture(scope="session")
 def fresh(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     """A fresh node: no image but the sandbox's, an empty store; it reaches registries only as a test
     configures it to (its hosts.toml, its logins)."""

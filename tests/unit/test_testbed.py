@@ -170,16 +170,17 @@ def test_the_lock_excludes_and_can_be_removed(tmp_path: Path) -> None:
     assert not os.path.exists(path)
 
 
-def test_image_kinds_always_include_pause() -> None:
-    assert cli.image_kinds(None) == list(layout.IMAGES)
+def test_image_kinds_always_include_pause_and_the_torch_image_only_when_named() -> None:
+    assert cli.image_kinds(None) == ["busybox", "pause", "memhog", "debian"]
     assert cli.image_kinds("debian, busybox") == ["busybox", "pause", "debian"]
+    assert cli.image_kinds("torch") == ["pause", "torch"]
     with pytest.raises(host.TestbedError, match="unknown image nope"):
         cli.image_kinds("nope")
 
 
 def test_the_workload_sources_are_found() -> None:
     assert Path(layout.IMAGE_SOURCES) == REPO / "scripts" / "testbed_images"
-    for name in [*debian.DEBIAN_PROGRAMS, *debian.DEBIAN_FILES, "pause.c", "memhog.c"]:
+    for name in [*debian.DEBIAN_PROGRAMS, *debian.DEBIAN_FILES, *debian.TORCH_PROGRAMS, "pause.c", "memhog.c"]:
         assert (Path(layout.IMAGE_SOURCES) / name).is_file(), name
 
 
@@ -386,6 +387,8 @@ def test_cached_tarballs_are_grouped_by_what_they_are_a_version_of() -> None:
     assert images._cache_family("busybox-0123abcd.tar") == "busybox"
     assert images._cache_family("debian-64m-0123abcd.tar") == "debian-64m"
     assert images._cache_family("debootstrap-trixie-amd64-0123.tar") == "debootstrap"
+    assert images._cache_family("torchroot-bookworm-amd64-0123.tar") == "torchroot"
+    assert images._cache_family("torch-0123abcd.tar") == "torch"
 
 
 # --------------------------------------------------------------------------
@@ -422,6 +425,13 @@ def test_the_weights_layer_holds_the_weights_file(tmp_path: Path) -> None:
         f = tar.extractfile(weights.MODEL_PATH)
         assert f is not None
         assert f.read() == b"".join(weights.model_weights(1)[1])
+
+
+def test_the_torch_weights_are_their_own_and_whole_layers() -> None:
+    assert debian.TORCH_MIB % 4 == 0  # 1024 rows of 1024 float32 per layer
+    torch_data = b"".join(weights.model_weights(1, debian.TORCH_SEED)[1])
+    assert torch_data != b"".join(weights.model_weights(1)[1])
+    assert debian.TORCH_WEIGHTS.startswith("opt/") and debian.TORCH_WEIGHTS != weights.MODEL_PATH
 
 
 def test_the_model_size_comes_from_the_flag_the_environment_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
