@@ -24,7 +24,7 @@ from node_agent.store.documents import ChunkFetch, FileEntry
 from node_agent.store.reading import read_or_fetch
 
 PAGE_SIZE: Final = 4096
-CACHE_CHUNKS: Final = 16
+CACHE_CHUNKS: Final = 32
 CACHE_BYTES: Final = 64 << 20
 """What one file's cache holds at most, about (never fewer chunks than it reads ahead, and two more)."""
 READ_AHEAD: Final = 6
@@ -115,6 +115,19 @@ class ChunkCache:
             index = bisect.bisect_right(self.offsets, offset) - 1
             for ahead in range(index, min(index + self.read_ahead, len(self.entry.chunks))):
                 self._future(ahead)
+
+    def bounds(self, offset: int, size: int) -> tuple[int, int]:
+        """Whole chunks from the one holding ``offset``, at least one, until they hold ``size`` bytes: their
+        range in the file, widened to whole pages (a page that straddles two chunks is in both ranges)."""
+        self._check(offset, 0)
+        index = bisect.bisect_right(self.offsets, offset) - 1
+        lo = self.offsets[index]
+        last = index
+        while last + 1 < len(self.offsets) and self.offsets[last + 1] - lo < size:
+            last += 1
+        c = self.entry.chunks[last]
+        hi = c.offset + c.size
+        return lo - lo % PAGE_SIZE, min(self.entry.size, hi + (-hi) % PAGE_SIZE)
 
     def _check(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.entry.size:

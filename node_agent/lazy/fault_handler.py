@@ -10,13 +10,18 @@ memory is registered and the processes are about to run, it sends the word
 From then on this handler owns the processes' missing memory:
 
 * **faults** are read from every userfaultfd in one thread and answered in
-  a pool of workers, several at once: a fault claims the whole aligned
-  window of image bytes around it (``FAULT_WINDOW``), not a page, and
-  copies it with one ``UFFDIO_COPY`` per piece of chunk; a fault on memory
-  the checkpoint holds no bytes for gets the zero page;
-* **the stream** copies everything else in the background, in windows,
-  starting where the last fault's window ended (a thread walking its memory
-  finds it already there) and wrapping around. It starts as soon as a
+  a pool of workers, several at once: a fault claims the whole chunk of the
+  pages file that holds its bytes (at least ``FAULT_WINDOW``), not a page:
+  every waiting page whose bytes that chunk holds, in whichever mapping it
+  lies, so each chunk is read, verified and decoded once however faults and
+  the stream come at it (a framework's memory is hundreds of small
+  mappings); it copies them with one ``UFFDIO_COPY`` per piece of chunk. A
+  fault on memory the checkpoint holds no bytes for gets the zero page,
+  also when it comes as the transfer ends;
+* **the stream** copies everything else in the background, ``STREAMS``
+  threads claiming ``STREAM_WINDOW`` of whole chunks at a time, starting
+  where the last fault's claim ended (a thread walking its memory finds it
+  already there) and wrapping around. It starts as soon as a
   process's userfaultfd arrives: until the restore has finished, memory not
   registered yet (ENOENT) goes back to the waiting spans and is tried again
   a moment later; after that, ENOENT means the mapping is gone;
@@ -53,10 +58,10 @@ log = logging.getLogger("node_agent.lazy.source")
 
 SOCKET_NAME: Final = "lazy-pages.socket"  # in the restore's work directory, as CRIU names it
 RESTORE_FINISHED: Final = 0x52535446
-FAULT_WINDOW: Final = 1 << 20
-STREAM_WINDOW: Final = 1 << 20
+FAULT_WINDOW: Final = 1 << 20  # a fault claims whole chunks, at least this much
+STREAM_WINDOW: Final = 4 << 20
 FAULT_WORKERS: Final = 4
-STREAMS: Final = 1
+STREAMS: Final = 2  # one copies while the other waits for its chunks: the copy and the reading overlap
 _WORD: Final = struct.Struct("=i")
 
 
@@ -198,7 +203,8 @@ class Handler:
                     task = self.tasks.get(fd)
                     if task is not None:
                         self._events(task)
-                retry, self._retry = self._retry, []
+                with self.lock:
+                    retry, self._retry = self._retry, []
                 for task, addr in retry:
                     self._zero(task, addr, inline=True)
         finally:
@@ -308,7 +314,10 @@ class Handler:
     # -- copies -------------------------------------------------------------------------------
 
     def _claim(self, task: Task, addr: int, window: int, move_stream: bool = True) -> Spans | None:
-        """Take the window of waiting memory around ``addr`` for one copy (lock held).
+        """Take the waiting memory of whole chunks around ``addr`` for one copy (lock held): the chunk of the
+        pages file that holds ``addr``'s bytes and the next ones, until ``window`` bytes. Every waiting page
+        whose bytes those chunks hold is taken, whichever mapping it is in, so that each chunk is read,
+        verified and decoded once, however the process's faults and the stream come at it.
 
         ``move_stream``: the stream goes on where this window ends.
         """
@@ -317,14 +326,18 @@ class Handler:
         s = task.pending.find(addr)
         if s is None:
             return None
-        img = s.image(addr)
-        lo_img = img - img % window
-        lo = max(s.start, s.start + (lo_img - s.img))
-        hi = min(s.end, s.start + (lo_img + window - s.img))
-        job = Spans(task.pending.take(lo, hi))
+        lo, hi = task.cache.bounds(task.file_offset(s.image(addr)), window)
+        job = Spans()
+        for ext in task.pm.in_file(lo, hi):
+            img_lo = ext.vaddr + max(0, lo - ext.offset)
+            img_hi = ext.vaddr + min(ext.nr_pages * PAGE_SIZE, hi - ext.offset)
+            for span in task.pending.take_image(img_lo, img_hi):
+                job.add(span)
+        if not job:  # cannot be: the span at addr is inside these chunks
+            raise SourceError(f"task {task.task_id}: no waiting memory in the chunks of {addr:#x}")
         task.jobs.append(job)
         if move_stream:
-            task.hint = hi
+            task.hint = _end(job)
         return job
 
     def _run_job(self, task: Task, job: Spans, ahead: bool = True) -> bool:
@@ -351,19 +364,22 @@ class Handler:
         return True
 
     def _copy_job(self, task: Task, job: Spans, ahead: bool) -> None:
-        with self.lock:
-            first = job.first()
-            if first is None:
-                return
-            img_lo = min(s.img for s in job)
-            img_hi = max(s.img + s.size for s in job)
-        img_hi = min(img_hi, task.extent_end(img_lo))
-        for data, start, length in task.cache.pieces(task.file_offset(img_lo), img_hi - img_lo, ahead):
-            base = uffd.address_of(data) + start
-            self._copy_piece(task, job, img_lo, base, length)
-            img_lo += length
-            if task.gone or self.stopping:
-                return
+        """Copy a claimed job: one run of image addresses within one extent of the pages file at a time."""
+        while True:
+            with self.lock:
+                if not job:
+                    return
+                img_lo = min(s.img for s in job)
+                img_hi = max(s.img + s.size for s in job)
+            img_hi = min(img_hi, task.extent_end(img_lo))
+            pos = img_lo
+            for data, start, length in task.cache.pieces(task.file_offset(img_lo), img_hi - img_lo, ahead):
+                self._copy_piece(task, job, pos, uffd.address_of(data) + start, length)
+                pos += length
+                if task.gone or self.stopping:
+                    return
+            with self.lock:  # every page of the run is in or was let go; never the same run twice
+                job.drop_image(img_lo, img_hi)
 
     def _copy_piece(self, task: Task, job: Spans, img: int, base: int, length: int) -> None:
         done = 0
@@ -416,7 +432,13 @@ class Handler:
                 time.sleep(0.001)  # the map is changing: its event is read first
 
     def _zero(self, task: Task, addr: int, inline: bool = False) -> None:
-        while not task.gone and (inline or not self.stopping):
+        while not task.gone:
+            if not inline and self.stopping:
+                # The transfer ended while this fault waited for a worker: the thread that faulted
+                # still waits, so the fault is answered after the transfer (serve_until), not dropped.
+                with self.lock:
+                    self._retry.append((task, addr))
+                return
             err = uffd.zeropage(task.fd, addr, PAGE_SIZE)
             if err in uffd.GONE:
                 self._gone(task)

@@ -83,6 +83,27 @@ class Pagemap:
         ext = self.extents[i]
         return ext if ext.offset >= 0 and ext.vaddr <= vaddr < ext.end else None
 
+    def in_file(self, lo: int, hi: int) -> list[Extent]:
+        """The lazy extents whose bytes lie in [lo, hi) of the pages file, in file order."""
+        offsets, lazy = self._by_offset
+        i = max(0, bisect.bisect_right(offsets, lo) - 1)
+        out: list[Extent] = []
+        while i < len(lazy) and lazy[i].offset < hi:
+            e = lazy[i]
+            if e.offset + e.nr_pages * PAGE_SIZE > lo:
+                out.append(e)
+            i += 1
+        return out
+
+    @property
+    def _by_offset(self) -> tuple[list[int], list[Extent]]:
+        cached = self.__dict__.get("_by_offset_cache")
+        if cached is None:
+            lazy = sorted((e for e in self.extents if e.lazy), key=lambda e: e.offset)
+            cached = ([e.offset for e in lazy], lazy)
+            object.__setattr__(self, "_by_offset_cache", cached)
+        return cached
+
     @property
     def _starts(self) -> list[int]:
         starts = self.__dict__.get("_starts_cache")

@@ -41,6 +41,7 @@ class Spans:
     def __init__(self, spans: Iterable[Span] = ()) -> None:
         self._spans: list[Span] = []
         self._keys: list[int] = []  # the spans' starts, kept beside them for bisect
+        self._moved = False  # some span is no longer at its image address
         for s in sorted(spans, key=lambda s: s.start):
             if s.end > s.start:
                 self._add(Span(s.start, s.end, s.img))
@@ -108,10 +109,18 @@ class Spans:
 
     def drop_image(self, img_start: int, img_end: int) -> None:
         """Remove the parts whose image addresses lie in [img_start, img_end) (bytes that came in)."""
+        self.take_image(img_start, img_end)
+
+    def take_image(self, img_start: int, img_end: int) -> list[Span]:
+        """Remove the parts whose image addresses lie in [img_start, img_end) and return them."""
+        if not self._moved:  # every span where it was in the checkpoint: image addresses are addresses
+            return self.take(img_start, img_end)
+        out: list[Span] = []
         for s in [s for s in self._spans if s.img < img_end and s.img + s.size > img_start]:
             lo = max(img_start, s.img) - s.img + s.start
             hi = min(img_end, s.img + s.size) - s.img + s.start
-            self.take(lo, hi)
+            out += self.take(lo, hi)
+        return out
 
     def add(self, span: Span) -> None:
         """Add ``span``; whatever it overlaps is replaced."""
@@ -127,6 +136,7 @@ class Spans:
             self.add(Span(s.start + to - frm, s.end + to - frm, s.img))
 
     def _add(self, span: Span) -> None:
+        self._moved = self._moved or span.start != span.img
         i = bisect.bisect_left(self._keys, span.start)
         self._spans.insert(i, span)
         self._keys.insert(i, span.start)

@@ -65,7 +65,9 @@ class Restored:
         assert answer, f"the process died on {line!r} (exit {self.proc.poll()})"
         return answer
 
-    def serve(self, source: Source) -> None:
+    def serve(self, source: Source, linger: threading.Event | None = None) -> None:
+        """Run the handler on ``source`` in a thread; with ``linger``, it then answers the faults left (zero
+        pages) until that is set, as the page source does until the agent lets it go."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.sock)
         listener.listen(1)
@@ -78,6 +80,8 @@ class Restored:
                 assert self.handler is not None
                 self.handler.run(conn)
                 self.result.append(True)
+                if linger is not None:
+                    self.handler.serve_until(linger.is_set)
             except SourceError as exc:
                 self.result.append(exc)
             finally:
@@ -242,3 +246,92 @@ def test_only_root_may_connect_to_the_lazy_pages_socket() -> None:
                     p.stdout.close()
         listener.close()
         shutil.rmtree(d)
+
+
+def _fragmented(addr: int) -> list[tuple[int, int, int]]:
+    """Extents of 8 pages every 16 pages, as a framework's memory is: many mappings, each a few pages."""
+    return [(addr + i * 16 * PAGE, 8, LAZY) for i in range(PAGES // 16)]
+
+
+def test_fragmented_memory_fills_right(tmp_path: Path) -> None:
+    """Many extents with holes between them: every present page gets its bytes, every hole zeros."""
+    proc = subprocess.Popen([sys.executable, str(CHILD), "42", str(PAGES)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    addr = int(proc.stdout.readline(), 16)
+    extents = _fragmented(addr)
+    present = random.Random(11).randbytes(len(extents) * 8 * PAGE)
+    memory = b"".join(present[i * 8 * PAGE:(i + 1) * 8 * PAGE] + bytes(8 * PAGE) for i in range(len(extents)))
+    store = Store(tmp_path / "store", chunk_size=64 << 10)
+    with store.writer() as w:
+        w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image(extents))
+        w.add_bytes(PAGES_PATH, present)
+        record = w.commit({"kind": "test"})
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "pagemap-42.img").write_bytes(pagemap_image(extents))
+    (images / "mm-42.img").write_bytes(mm_image([(addr, addr + PAGES * PAGE)]))
+    r = Restored(proc, addr, memory, store, record.id, images, str(tmp_path / "lazy-pages.socket"))
+    linger = threading.Event()
+    try:
+        source = Source(r.store, r.checkpoint, "c", str(r.images))
+        r.serve(source, linger)
+        assert r.ask("hash 200 20") == r.expect(200, 20)  # faults first, across holes
+        assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
+        linger.set()
+        assert r.thread is not None
+        r.thread.join(10)
+        assert r.result == [True]
+        assert r.handler is not None and r.handler.copied == len(present)
+        source.close()
+    finally:
+        linger.set()
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        if r.thread is not None:
+            r.thread.join(10)
+        if r.handler is not None:
+            r.handler.close()
+
+
+def test_a_claim_takes_every_waiting_page_of_its_chunks_across_extents(tmp_path: Path) -> None:
+    """A fault claims whole chunks of the pages file: every waiting page whose bytes they hold, in every
+    extent they span, so that no chunk is read twice because its pages went out in several claims."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from node_agent.lazy import pagemap
+    from node_agent.lazy.chunks import ChunkCache
+    from node_agent.lazy.fault_handler import FAULT_WINDOW, Task
+    from node_agent.lazy.spans import Span, Spans
+
+    addr = 0x7F0000000000
+    extents = _fragmented(addr)
+    present = random.Random(5).randbytes(len(extents) * 8 * PAGE)
+    store = Store(tmp_path / "store", chunk_size=64 << 10)
+    with store.writer() as w:
+        w.add_bytes(PAGES_PATH, present)
+        record = w.commit({"kind": "test"})
+    entry = record.entry(PAGES_PATH)
+    pm = pagemap.parse(pagemap_image(extents), 42)
+    with ThreadPoolExecutor(2) as pool:
+        cache = ChunkCache(store.chunks, record.id, entry, pool)
+        handler = Handler({42: pm}, {42: cache}, str(tmp_path), lambda fd, task: None)
+        try:
+            waiting = Spans(Span(v, v + n * PAGE, v) for v, n, _f in extents)
+            task = Task(42, -1, pm, cache, waiting)
+            fault = addr + 5 * 16 * PAGE + 3 * PAGE  # page 3 of the sixth extent
+            with handler.lock:
+                job = handler._claim(task, fault, FAULT_WINDOW)
+            assert job is not None and len(job) > 1, "the claim spans several extents"
+            lo, hi = cache.bounds(task.file_offset(fault), FAULT_WINDOW)
+            expected = {e.vaddr + k for e in pm.extents for k in range(0, e.nr_pages * PAGE, PAGE)
+                        if e.lazy and lo <= e.offset + k < hi}
+            claimed = {s.start + k for s in job for k in range(0, s.size, PAGE)}
+            assert fault in claimed and claimed == expected
+            left = {s.start + k for s in task.pending for k in range(0, s.size, PAGE)}
+            assert not left & claimed and len(left) + len(claimed) == len(present) // PAGE
+        finally:
+            handler.close()

@@ -249,7 +249,7 @@ def test_spans_agree_with_a_page_by_page_model_under_random_changes() -> None:
 def test_a_files_cache_is_bounded_in_bytes_and_let_go_when_its_reader_is_done(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from node_agent.lazy.chunks import CACHE_BYTES, ChunkCache
+    from node_agent.lazy.chunks import CACHE_BYTES, CACHE_CHUNKS, ChunkCache
 
     store = Store(tmp_path / "store", chunk_size=64 << 10)
     data = _pages_bytes(2048)  # 8 MiB in chunks of about 80 KiB
@@ -259,7 +259,7 @@ def test_a_files_cache_is_bounded_in_bytes_and_let_go_when_its_reader_is_done(tm
     entry = record.entry("pages-1.img")
     with ThreadPoolExecutor(2) as pool:
         small = ChunkCache(store.chunks, record.id, entry, pool, read_ahead=8)
-        assert small.keep == 16  # small chunks: the count bounds it, as it always did
+        assert small.keep == CACHE_CHUNKS  # small chunks: the count bounds it
         assert b"".join(bytes(d[s:s + n]) for d, s, n in small.pieces(0, len(data))) == data
         assert 0 < len(small.cache) <= small.keep
         small.release()
