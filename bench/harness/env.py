@@ -167,7 +167,8 @@ class Env:
             self.bed_started = True
             if self.args.answer_sizes:
                 self._model_env(self.args.answer_sizes[0])
-            self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd)
+            self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd,
+                                images=getattr(self.args, "images", None))
             self._quiet_agent()
             self.bed.start_agent()
         else:
@@ -204,7 +205,8 @@ class Env:
         log(f"test bed {self.args.bed} again, with {mib} MiB of model weights in its image")
         self.b.stop_agent()
         self._model_env(mib)
-        self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd)
+        self.bed = bring_up(self.args.bed, self.work, containerd=self.args.containerd,
+                            images=getattr(self.args, "images", None))
         self._quiet_agent()
         self.bed.start_agent()
         self.ctrd_log = crilog.ContainerdLog(self.b.info["containerd_log"])

@@ -5,6 +5,9 @@ what it created: on success, on a failure (reported as one line, or with its
 traceback when unexpected) and on SIGINT/SIGTERM (a second signal does not
 cut the clean-up short). `write_json` and `write_docs` are the results'
 files: the raw samples, and docs/benchmarks.md's generated blocks.
+`standalone` is the whole run of a benchmark with a results file of its own
+(bench/crossnode.py, bench/framework.py), and `run_facts` what every such
+run records about itself.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from bench.harness.base import BenchError, log
 from bench.harness.env import Env
-from bench.harness.machine import bed_info
+from bench.harness.machine import REPO, bed_info, machine_info, memory_given_back, tree_digest
 from bench.report import docs, encryption, image_check, results
 
 
@@ -98,4 +102,58 @@ def docs_only() -> int:
         log("bench/results.json holds no results of bench/run.py: docs/benchmarks.md not written")
         return 1
     write_docs(merged)
+    return 0
+
+
+def run_facts(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`measure()`'s results with the run's own facts: the load averages at its start and its end, how long
+    it took, and the memory the host took back meanwhile (free page reporting)."""
+    start = [round(x, 2) for x in os.getloadavg()]
+    given_back = memory_given_back()
+    started = time.time()
+    out = measure()
+    out["loadavg"] = {"start": start, "end": [round(x, 2) for x in os.getloadavg()]}
+    out["elapsed_s"] = round(time.time() - started, 1)
+    now = memory_given_back()
+    if given_back is not None and now is not None:
+        out["memory_given_back_gib"] = round(now - given_back, 1)
+    return out
+
+
+def standalone(args: Any, env: Env, measure: Callable[[], dict[str, Any]],
+               build: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+               text: Callable[[dict[str, Any]], str], docs_from: Callable[[Path], int]) -> int:
+    """A benchmark with a results file of its own (`args.out`): as root, `measure` guarded on `env`, the
+    record `build` makes of the machine and the samples written there and printed (`text`), and, with
+    `args.write_docs`, docs/benchmarks.md from it (`docs_from`); `args.docs_only`: only the docs."""
+    if args.docs_only:
+        return docs_only()
+    refused = not_root()
+    if refused is not None:
+        return refused
+    machine = machine_info(REPO)
+
+    def before() -> None:
+        machine["node_agent_tree"] = tree_digest(REPO)
+
+    rc, samples = guarded(env, machine, measure, before=before, agent_log_on_error=True)
+    if rc != 0:
+        return rc
+    doc = build(machine, samples)
+    out = Path(args.out)
+    write_json(out, doc)
+    sys.stdout.write(text(doc))
+    log(f"raw samples: {out}")
+    return docs_from(out) if args.write_docs else 0
+
+
+def docs_with(crossnode: dict[str, Any] | None = None, framework: dict[str, Any] | None = None) -> int:
+    """docs/benchmarks.md from the committed results, with `crossnode` and `framework` (where given) in place
+    of those benchmarks' committed files."""
+    merged = results.load(results.RESULTS_JSON)
+    if merged is None:
+        log("bench/results.json holds no results of bench/run.py: docs/benchmarks.md not written")
+        return 1
+    docs.write(merged, encryption.load(), image_check.load(), crossnode=crossnode, framework=framework)
+    log(f"wrote {docs.DOCS}")
     return 0

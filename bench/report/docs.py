@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import crossnode as crossnode_results
+from bench.report import framework as framework_results
 from bench.report import fmt, tables
 from bench.report.encryption import encryption_block
 from bench.report.image_check import image_check_block
@@ -141,23 +142,27 @@ def results_blocks(merged: dict[str, Any]) -> dict[str, str]:
 
 
 def render(text: str, merged: dict[str, Any], encryption: dict[str, Any] | None = None,
-           image_check: dict[str, Any] | None = None, crossnode: dict[str, Any] | None = None) -> str:
+           image_check: dict[str, Any] | None = None, crossnode: dict[str, Any] | None = None,
+           framework: dict[str, Any] | None = None) -> str:
     """`text` (docs/benchmarks.md as it is) with every generated block filled from a results file (every
-    containerd version it holds) and from bench/encryption.py's, bench/image_check.py's and
-    bench/crossnode.py's results."""
+    containerd version it holds) and from bench/encryption.py's, bench/image_check.py's,
+    bench/crossnode.py's and bench/framework.py's results."""
     blocks = results_blocks(merged)
     blocks["encryption"] = encryption_block(encryption)
     blocks["image-check"] = image_check_block(image_check)
     blocks["crossnode"] = crossnode_results.crossnode_block(crossnode)
+    blocks["framework"] = framework_results.framework_block(framework)
     return splice(text, blocks)
 
 
 def write(merged: dict[str, Any], encryption: dict[str, Any] | None = None,
           image_check: dict[str, Any] | None = None, path: Path = DOCS,
-          crossnode: dict[str, Any] | None = None) -> None:
-    """Fills the generated blocks of `path` in place; the cross-node block from `crossnode`, by default from
-    bench/crossnode.json as it is."""
+          crossnode: dict[str, Any] | None = None, framework: dict[str, Any] | None = None) -> None:
+    """Fills the generated blocks of `path` in place; the cross-node and framework blocks from `crossnode` and
+    `framework`, by default from bench/crossnode.json and bench/framework.json as they are."""
     if crossnode is None:
         crossnode = crossnode_results.load()
-    path.write_text(render(path.read_text(encoding="utf-8"), merged, encryption, image_check, crossnode),
+    if framework is None:
+        framework = framework_results.load()
+    path.write_text(render(path.read_text(encoding="utf-8"), merged, encryption, image_check, crossnode, framework),
                     encoding="utf-8")

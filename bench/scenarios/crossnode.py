@@ -39,17 +39,11 @@ bench/report/crossnode.py its figures, targets and tables.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 from bench.harness.base import log
-from bench.harness.machine import REPO, machine_info, memory_given_back, tree_digest
-from bench.harness.main import docs_only, guarded, not_root, write_json
+from bench.harness.main import docs_with, run_facts, standalone
 from bench.report import crossnode as report
-from bench.report import docs, encryption, image_check, results
 from bench.scenarios.crossnode_nodes import Cluster
 from bench.scenarios.crossnode_paths import Columns, CpuLog
 
@@ -91,10 +85,7 @@ def measure(cluster: Cluster) -> dict[str, Any]:
     for node in (cluster, *cluster.targets.values()):
         node.op_timeout = timeout
     out: dict[str, Any] = {"sizes": {}, "runs": args.runs, "connections": cluster.connections,
-                           "nodes": {"a": cluster.b.name, **{n: x.b.name for n, x in cluster.targets.items()}},
-                           "loadavg": {"start": [round(x, 2) for x in os.getloadavg()]}}
-    given_back = memory_given_back()
-    started = time.time()
+                           "nodes": {"a": cluster.b.name, **{n: x.b.name for n, x in cluster.targets.items()}}}
     cpu = CpuLog(watch=cluster.registry_cpu)
     cpu.start()
     try:
@@ -102,40 +93,11 @@ def measure(cluster: Cluster) -> dict[str, Any]:
             out["sizes"][str(mib)] = one_size(cluster, cpu, mib, args.runs)
     finally:
         cpu.stop()
-    out["loadavg"]["end"] = [round(x, 2) for x in os.getloadavg()]
-    out["elapsed_s"] = round(time.time() - started, 1)
-    now = memory_given_back()
-    if given_back is not None and now is not None:
-        out["memory_given_back_gib"] = round(now - given_back, 1)
     return out
 
 
 def main(args: argparse.Namespace) -> int:
     """bench/crossnode.py once its arguments are parsed."""
-    if args.docs_only:
-        return docs_only()
-    refused = not_root()
-    if refused is not None:
-        return refused
     cluster = Cluster(args)
-    machine = machine_info(REPO)
-
-    def before() -> None:
-        machine["node_agent_tree"] = tree_digest(REPO)
-
-    rc, samples = guarded(cluster, machine, lambda: measure(cluster), before=before, agent_log_on_error=True)
-    if rc != 0:
-        return rc
-    doc = report.build(machine, samples)
-    out = Path(args.out)
-    write_json(out, doc)
-    sys.stdout.write(report.text(doc))
-    log(f"raw samples: {out}")
-    if args.write_docs:
-        merged = results.load(results.RESULTS_JSON)
-        if merged is None:
-            log("bench/results.json holds no results of bench/run.py: docs/benchmarks.md not written")
-            return 1
-        docs.write(merged, encryption.load(), image_check.load(), crossnode=report.load(out))
-        log(f"wrote {docs.DOCS}")
-    return 0
+    return standalone(args, cluster, lambda: run_facts(lambda: measure(cluster)), report.build, report.text,
+                      lambda out: docs_with(crossnode=report.load(out)))

@@ -47,6 +47,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +71,29 @@ X = 7.0  # the x of every first request
 NS_COLD = "bench"
 # The image kinds of scripts/testbed that carry the model server, in order of preference.
 IMAGE_KINDS = ("model", "debian")
-READY_RE = re.compile(r"weights loaded in ([0-9.]+)s.*warm-up ([0-9.]+)s.*serving on :\d+ ([0-9.]+)s after start")
+READY_RE = re.compile(r"weights loaded in (?P<load_s>[0-9.]+)s.*warm-up (?P<warmup_s>[0-9.]+)s.*"
+                      r"serving on :\d+ (?P<ready_s>[0-9.]+)s after start")
 CLI_SAMPLES = 5
 SCRATCH = "answer-src"  # under the work dir: the staged plan and /dev/shm of the checkpoint
 
 
 class AnswerError(BenchError):
     """A failure of the first-answer runs, reported as one line."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A model server of the test bed's images: its container's name and command, the key of its answer that
+    names its weights' digest (None for a server that takes none: its answer, which reads every weight, is
+    compared), and its start-up line (named groups: seconds of each step)."""
+
+    container: str
+    command: list[str]
+    digest_key: str | None
+    ready_re: re.Pattern[str]
+
+
+MODEL = Server("model", MODEL_CMD, "weights_sha256", READY_RE)
 
 
 def model_image(info: dict[str, Any]) -> str | None:
@@ -121,8 +138,9 @@ def first_answer(ip: str, x: float, timeout: float) -> tuple[float, dict[str, An
 class FirstAnswer:
     """The first-answer runs on the harness's bed, one size (one bed image) after another."""
 
-    def __init__(self, bench: Bench) -> None:
+    def __init__(self, bench: Bench, server: Server = MODEL) -> None:
         self.bench = bench
+        self.server = server
 
     @property
     def b(self) -> Any:
@@ -140,10 +158,9 @@ class FirstAnswer:
         try:
             with open(log_path, encoding="utf-8", errors="replace") as fh:
                 for line in fh:
-                    m = READY_RE.search(line)
+                    m = self.server.ready_re.search(line)
                     if m:
-                        return {"load_s": float(m.group(1)), "warmup_s": float(m.group(2)),
-                                "ready_s": float(m.group(3))}
+                        return {k: float(v) for k, v in m.groupdict().items()}
         except OSError:
             pass
         return {}
@@ -151,8 +168,9 @@ class FirstAnswer:
     def check(self, what: str, body: dict[str, Any], ref: dict[str, Any], restored: bool) -> None:
         """A restored replica is the checkpointed process, answering as it did; a cold start has its weights."""
         bad = []
-        if body.get("weights_sha256") != ref["weights_sha256"]:
-            bad.append(f"weights_sha256 {body.get('weights_sha256')!r} != {ref['weights_sha256']!r}")
+        key = self.server.digest_key
+        if key is not None and body.get(key) != ref[key]:
+            bad.append(f"{key} {body.get(key)!r} != {ref[key]!r}")
         if restored:
             for key in ("started", "pid", "answer"):
                 if body.get(key) != ref[key]:
@@ -169,8 +187,8 @@ class FirstAnswer:
     def cold(self, image: str, ref: dict[str, Any], label: str, timeout: float) -> dict[str, Any]:
         name = f"cold-{label}-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, NS_COLD, name)
-        ccfg = container_config("model", image, MODEL_CMD)
-        os.makedirs(os.path.join(pcfg["log_directory"], "model"), exist_ok=True)
+        ccfg = container_config(self.server.container, image, self.server.command)
+        os.makedirs(os.path.join(pcfg["log_directory"], self.server.container), exist_ok=True)
         out: dict[str, Any] = {}
 
         async def go(cri: CriClient) -> str:
@@ -239,13 +257,16 @@ class FirstAnswer:
             self.bench.remove_pod(pod_id)
         return out
 
-    def agent(self, ckpt: str, mode: str, ref: dict[str, Any], label: str, timeout: float,
-              keep: bool = False, wait_all_in: bool = True, namespace: str | None = None) -> dict[str, Any]:
+    def agent(self, ckpt: str, mode: str, ref: dict[str, Any] | None, label: str, timeout: float,
+              keep: bool = False, wait_all_in: bool = True, namespace: str | None = None,
+              warm_store: bool = True) -> dict[str, Any]:
         """The agent's Restore with start: `mode` "default" (no lazy option) or "full" (lazy=false),
-        into `namespace` (default NS_RESTORE)."""
+        into `namespace` (default NS_RESTORE), the store read into the page cache first unless not
+        `warm_store`. Without `ref` (a workload that serves nothing), no answer is asked for."""
         ns = namespace or NS_RESTORE
         name = f"r-{label}-{secrets.token_hex(3)}"
-        warm(self.bench.store, NOT_STORE)
+        if warm_store:
+            warm(self.bench.store, NOT_STORE)
         options = {} if mode == "default" else {"lazy": "false"}
         req = pb.RestoreRequest(checkpoint_id=ckpt, namespace=ns, name=name, start=True, options=options)
         out: dict[str, Any] = {"mode": mode}
@@ -264,15 +285,18 @@ class FirstAnswer:
                 raise AnswerError(f"restore {name}: the agent ended the call without a result")
             pod_id = str(result.pod_sandbox_id)
             self.bench.pods[pod_id] = f"{ns}/{name}"
-            ip = (await cri.pod_status(pod_id)).ip
-            m2, body, attempts = first_answer(ip, X, timeout)
-            out.update(running_s=round(m1 - m0, 4), answer_s=round(m2 - m0, 4), attempts=attempts, body=body,
-                       container_id=result.containers[0].container_id if result.containers else "", m0=m0)
+            out.update(running_s=round(m1 - m0, 4), m0=m0,
+                       container_id=result.containers[0].container_id if result.containers else "")
+            if ref is not None:
+                ip = (await cri.pod_status(pod_id)).ip
+                m2, body, attempts = first_answer(ip, X, timeout)
+                out.update(answer_s=round(m2 - m0, 4), attempts=attempts, body=body)
             return pod_id
 
         pod_id = self.bench.cri(go, timeout=timeout)
         try:
-            self.check(f"restore {name} ({mode})", out["body"], ref, restored=True)
+            if ref is not None:
+                self.check(f"restore {name} ({mode})", out["body"], ref, restored=True)
             plan = os.path.join(self.bench.plans_dir, out["container_id"])
             try:
                 with open(os.path.join(plan, "plan.json"), encoding="utf-8") as fh:
@@ -307,8 +331,8 @@ class FirstAnswer:
         ns = namespace or NS_SRC
         name = f"model-{secrets.token_hex(3)}"
         pcfg = pod_config(self.b, ns, name)
-        ccfg = container_config("model", image, MODEL_CMD)
-        os.makedirs(os.path.join(pcfg["log_directory"], "model"), exist_ok=True)
+        ccfg = container_config(self.server.container, image, self.server.command)
+        os.makedirs(os.path.join(pcfg["log_directory"], self.server.container), exist_ok=True)
 
         async def go(cri: CriClient) -> tuple[str, str, str]:
             pod_id = await cri.run_pod(pcfg, "")

@@ -19,7 +19,7 @@ import pytest
 
 from bench.report import crossnode, docs, encryption, fmt, image_check, results, stats, targets
 
-BLOCKS = ["latest", "versions", "encryption", "image-check", "crossnode"]
+BLOCKS = ["latest", "versions", "encryption", "image-check", "crossnode", "framework"]
 
 
 def _committed() -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
