@@ -32,11 +32,11 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from bench.harness.base import NOT_STORE, BenchError, log
 from bench.harness.main import docs_with, run_facts, standalone
-from bench.harness.measure import evict, warm
+from bench.harness.measure import evict, proc_status, warm
 from bench.harness.ops import Bench
 from bench.report import framework as report
 from bench.scenarios.firstanswer import MODEL, PORT, FirstAnswer, Server, model_image
@@ -127,43 +127,58 @@ class Framework:
         memory = sum(e.size for e in pages_entries(Store(self.bench.store), ckpt))
         return ckpt, memory
 
+    def _rounds(self, ckpt: str, one_round: Callable[[str], dict[str, Any]], prefix: str, runs: int, warmup: int,
+                line: Callable[[dict[str, Any]], str], out: dict[str, Any]) -> dict[str, Any]:
+        """`warmup` untimed rounds, then `runs` rounds of `one_round` (each ending with the bound), into `out`;
+        a line each (`line`); the checkpoint removed at the end."""
+        try:
+            def with_bound(label: str) -> dict[str, Any]:
+                r = one_round(label)
+                r["bound"] = transfer_bound(self.bench.store, ckpt)
+                return r
+
+            out["warmup"] = [with_bound(f"{prefix}w{i + 1}") for i in range(warmup)]
+            out["samples"] = []
+            for i in range(runs):
+                r = with_bound(f"{prefix}{i + 1}")
+                out["samples"].append({"run": i + 1, **r})
+                log(f"  run {i + 1}/{runs}: {line(r)} | bound {r['bound']['s']:.2f}s")
+        finally:
+            self.bench.remove_checkpoint(ckpt)
+        return out
+
     def torch(self, runs: int, warmup: int) -> dict[str, Any]:
         """The torch server's first-answer rounds, and its transfer rate."""
         fa = FirstAnswer(self.bench, TORCH)
         image = self.bench.b.info["images"]["torch"]
         pod_id, _, ref, cid = fa.source(image, self.timeout)
-        out: dict[str, Any] = {"source": ref, "rss_kib": _rss_kib(self.bench, cid)}
+        pid = self.bench.cri(lambda cri: cri.container_status(cid)).pid
+        out: dict[str, Any] = {"source": ref, "rss_kib": proc_status(pid, "VmRSS")}
         ckpt, out["memory_bytes"] = self._checkpoint(pod_id)
         self.bench.remove_pod(pod_id)
-        try:
-            def one_round(label: str) -> dict[str, Any]:
-                r: dict[str, Any] = {}
-                for cache in CACHES:
-                    for path in PATHS:
-                        self._cache(cache)
-                        tag = f"{label}{cache[0]}{path[0]}"
-                        if path == "cold":
-                            x = fa.cold(image, ref, tag, self.timeout)
-                        else:
-                            x = fa.agent(ckpt, path, ref, tag, self.timeout, warm_store=False)
-                        x.pop("body", None)
-                        r[f"{path}_{cache}"] = x
-                        self.bench.settle()
-                r["bound"] = transfer_bound(self.bench.store, ckpt)
-                return r
 
-            out["warmup"] = [one_round(f"tw{i + 1}") for i in range(warmup)]
-            out["samples"] = []
-            for i in range(runs):
-                r = one_round(f"t{i + 1}")
-                out["samples"].append({"run": i + 1, **r})
-                log(f"  torch server, run {i + 1}/{runs}, first answer: " + " | ".join(
-                    f"{c}: cold {r[f'cold_{c}']['answer_s']:.2f}s, default {r[f'default_{c}']['answer_s']:.2f}s "
-                    f"(all in {r[f'default_{c}'].get('all_in_s', 0):.2f}s), full {r[f'full_{c}']['answer_s']:.2f}s"
-                    for c in CACHES) + f" | bound {r['bound']['s']:.2f}s")
-        finally:
-            self.bench.remove_checkpoint(ckpt)
-        return out
+        def one_round(label: str) -> dict[str, Any]:
+            r: dict[str, Any] = {}
+            for cache in CACHES:
+                for path in PATHS:
+                    self._cache(cache)
+                    tag = f"{label}{cache[0]}{path[0]}"
+                    if path == "cold":
+                        x = fa.cold(image, ref, tag, self.timeout)
+                    else:
+                        x = fa.agent(ckpt, path, ref, tag, self.timeout, warm_store=False)
+                    x.pop("body", None)
+                    r[f"{path}_{cache}"] = x
+                    self.bench.settle()
+            return r
+
+        def line(r: dict[str, Any]) -> str:
+            return "torch server, first answer: " + " | ".join(
+                f"{c}: cold {r[f'cold_{c}']['answer_s']:.2f}s, default {r[f'default_{c}']['answer_s']:.2f}s "
+                f"(all in {r[f'default_{c}'].get('all_in_s', 0):.2f}s), full {r[f'full_{c}']['answer_s']:.2f}s"
+                for c in CACHES)
+
+        return self._rounds(ckpt, one_round, "t", runs, warmup, line, out)
 
     def transfer(self, kind: str, runs: int, warmup: int, mib: int) -> dict[str, Any]:
         """The numpy model server (`kind` "numpy") or memhog ("memhog") of `mib` MiB: default and full restores,
@@ -182,44 +197,26 @@ class Framework:
         out: dict[str, Any] = {"kind": kind, "mib": mib}
         ckpt, out["memory_bytes"] = self._checkpoint(pod_id)
         self.bench.remove_pod(pod_id)
-        try:
-            def one_round(label: str) -> dict[str, Any]:
-                r: dict[str, Any] = {}
-                for path in ("default", "full"):
-                    x = fa.agent(ckpt, path, ref_, f"{label}{path[0]}", self.timeout, keep=ref_ is None)
-                    if ref_ is None:  # memhog answers nothing: its ticks going on say it runs
-                        try:
-                            self.bench.check_running(x["container_id"])
-                        finally:
-                            self.bench.remove_pod(_pod_of(self.bench, x["container_id"]))
-                    x.pop("body", None)
-                    r[path] = x
-                    self.bench.settle()
-                r["bound"] = transfer_bound(self.bench.store, ckpt)
-                return r
 
-            out["warmup"] = [one_round(f"{kind[0]}w{i + 1}") for i in range(warmup)]
-            out["samples"] = []
-            for i in range(runs):
-                r = one_round(f"{kind[0]}{i + 1}")
-                out["samples"].append({"run": i + 1, **r})
-                log(f"  {kind} {mib} MiB, run {i + 1}/{runs}: default all in {r['default'].get('all_in_s', 0):.2f}s, "
-                    f"full running {r['full']['running_s']:.2f}s, bound {r['bound']['s']:.2f}s")
-        finally:
-            self.bench.remove_checkpoint(ckpt)
-        return out
+        def one_round(label: str) -> dict[str, Any]:
+            r: dict[str, Any] = {}
+            for path in ("default", "full"):
+                x = fa.agent(ckpt, path, ref_, f"{label}{path[0]}", self.timeout, keep=ref_ is None)
+                if ref_ is None:  # memhog answers nothing: its ticks going on say it runs
+                    try:
+                        self.bench.check_running(x["container_id"])
+                    finally:
+                        self.bench.remove_pod(_pod_of(self.bench, x["container_id"]))
+                x.pop("body", None)
+                r[path] = x
+                self.bench.settle()
+            return r
 
+        def line(r: dict[str, Any]) -> str:
+            return (f"{kind} {mib} MiB: default all in {r['default'].get('all_in_s', 0):.2f}s, "
+                    f"full running {r['full']['running_s']:.2f}s")
 
-def _rss_kib(bench: Bench, cid: str) -> int | None:
-    pid = bench.cri(lambda cri: cri.container_status(cid)).pid
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+        return self._rounds(ckpt, one_round, kind[0], runs, warmup, line, out)
 
 
 def _pod_of(bench: Bench, cid: str) -> str:

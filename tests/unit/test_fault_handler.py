@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,23 +98,28 @@ class Restored:
         return sha(self.pages[first * PAGE:(first + n) * PAGE])
 
 
-@pytest.fixture
-def restored(tmp_path: Path) -> Iterator[Restored]:
+Layout = Callable[[int], tuple[list[tuple[int, int, int]], bytes, bytes]]
+"""From the process's address: the pagemap's extents, the pages file, and the memory the process must read."""
+
+
+@contextmanager
+def _restored(tmp_path: Path, layout: Layout) -> Iterator[Restored]:
+    """The process made to look restored, its checkpoint in a store laid out by ``layout``; killed at the end."""
     proc = subprocess.Popen([sys.executable, str(CHILD), "42", str(PAGES)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     addr = int(proc.stdout.readline(), 16)
-    pages = random.Random(7).randbytes(PAGES * PAGE)
+    extents, present, memory = layout(addr)
     store = Store(tmp_path / "store", chunk_size=64 << 10)  # chunk edges fall inside pages
     with store.writer() as w:
-        w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image([(addr, PAGES, LAZY)]))
-        w.add_bytes(PAGES_PATH, pages)
+        w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image(extents))
+        w.add_bytes(PAGES_PATH, present)
         record = w.commit({"kind": "test"})
     images = tmp_path / "images"
     images.mkdir()
-    (images / "pagemap-42.img").write_bytes(pagemap_image([(addr, PAGES, LAZY)]))
+    (images / "pagemap-42.img").write_bytes(pagemap_image(extents))
     (images / "mm-42.img").write_bytes(mm_image([(addr, addr + PAGES * PAGE)]))
-    r = Restored(proc, addr, pages, store, record.id, images, str(tmp_path / "lazy-pages.socket"))
+    r = Restored(proc, addr, memory, store, record.id, images, str(tmp_path / "lazy-pages.socket"))
     try:
         yield r
     finally:
@@ -126,6 +132,13 @@ def restored(tmp_path: Path) -> Iterator[Restored]:
             r.thread.join(10)
         if r.handler is not None:
             r.handler.close()
+
+
+@pytest.fixture
+def restored(tmp_path: Path) -> Iterator[Restored]:
+    pages = random.Random(7).randbytes(PAGES * PAGE)
+    with _restored(tmp_path, lambda addr: ([(addr, PAGES, LAZY)], pages, pages)) as r:
+        yield r
 
 
 def test_the_process_reads_its_checkpointed_memory_and_the_rest_streams_in(restored: Restored) -> None:
@@ -255,46 +268,28 @@ def _fragmented(addr: int) -> list[tuple[int, int, int]]:
 
 def test_fragmented_memory_fills_right(tmp_path: Path) -> None:
     """Many extents with holes between them: every present page gets its bytes, every hole zeros."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), "42", str(PAGES)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    addr = int(proc.stdout.readline(), 16)
-    extents = _fragmented(addr)
-    present = random.Random(11).randbytes(len(extents) * 8 * PAGE)
-    memory = b"".join(present[i * 8 * PAGE:(i + 1) * 8 * PAGE] + bytes(8 * PAGE) for i in range(len(extents)))
-    store = Store(tmp_path / "store", chunk_size=64 << 10)
-    with store.writer() as w:
-        w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image(extents))
-        w.add_bytes(PAGES_PATH, present)
-        record = w.commit({"kind": "test"})
-    images = tmp_path / "images"
-    images.mkdir()
-    (images / "pagemap-42.img").write_bytes(pagemap_image(extents))
-    (images / "mm-42.img").write_bytes(mm_image([(addr, addr + PAGES * PAGE)]))
-    r = Restored(proc, addr, memory, store, record.id, images, str(tmp_path / "lazy-pages.socket"))
+    present = random.Random(11).randbytes(PAGES // 2 * PAGE)
+
+    def layout(addr: int) -> tuple[list[tuple[int, int, int]], bytes, bytes]:
+        extents = _fragmented(addr)
+        memory = b"".join(present[i * 8 * PAGE:(i + 1) * 8 * PAGE] + bytes(8 * PAGE) for i in range(len(extents)))
+        return extents, present, memory
+
     linger = threading.Event()
-    try:
-        source = Source(r.store, r.checkpoint, "c", str(r.images))
-        r.serve(source, linger)
-        assert r.ask("hash 200 20") == r.expect(200, 20)  # faults first, across holes
-        assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
-        linger.set()
-        assert r.thread is not None
-        r.thread.join(10)
-        assert r.result == [True]
-        assert r.handler is not None and r.handler.copied == len(present)
-        source.close()
-    finally:
-        linger.set()
-        proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        if r.thread is not None:
+    with _restored(tmp_path, layout) as r:
+        try:
+            source = Source(r.store, r.checkpoint, "c", str(r.images))
+            r.serve(source, linger)
+            assert r.ask("hash 200 20") == r.expect(200, 20)  # faults first, across holes
+            assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
+            linger.set()
+            assert r.thread is not None
             r.thread.join(10)
-        if r.handler is not None:
-            r.handler.close()
+            assert r.result == [True]
+            assert r.handler is not None and r.handler.copied == len(present)
+            source.close()
+        finally:
+            linger.set()
 
 
 def test_a_claim_takes_every_waiting_page_of_its_chunks_across_extents(tmp_path: Path) -> None:
