@@ -23,6 +23,10 @@ numpy and torch. Its cold start is a framework server's:
       GET /predict?x=N  200 {"answer": <float>, "started": <float>, "pid": <int>,
                              "requests": <int>, "params_bytes": <int>,
                              "layers": <int>, "threads": <int>}
+      GET /count        200 {"requests": <int>, "handling": <int>}: the
+                        /predict answers so far and the /predict requests
+                        being worked on now; it neither waits for a forward
+                        pass nor counts as a request
       GET /digest       200 {"params_sha256": "<hex>"}: the sha256 of the
                         parameters' bytes, layer after layer (the .npy file's
                         data after its header), computed now from memory
@@ -126,8 +130,10 @@ class State:
         self.nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         with torch.no_grad():
             self.traced = torch.jit.trace(model, features(0.0))
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one forward pass at a time
+        self.count_lock = threading.Lock()
         self.requests = 0
+        self.handling = 0
 
     def answer(self, x: float) -> float:
         v = features(x)
@@ -175,12 +181,18 @@ def handler_for(state: State) -> type[BaseHTTPRequestHandler]:
                 except ValueError:
                     self._send(400, b"x must be a number\n", "text/plain")
                     return
+                with state.count_lock:
+                    state.handling += 1
                 ans = state.answer(x)
-                with state.lock:
+                with state.count_lock:
+                    state.handling -= 1
                     state.requests += 1
                     n = state.requests
                 self._json({"answer": ans, "started": STARTED, "pid": os.getpid(), "requests": n,
                             "params_bytes": state.nbytes, "layers": state.layers, "threads": torch.get_num_threads()})
+            elif url.path == "/count":
+                with state.count_lock:
+                    self._json({"requests": state.requests, "handling": state.handling})
             elif url.path == "/digest":
                 with state.lock:
                     self._json({"params_sha256": digest(state.model)})
