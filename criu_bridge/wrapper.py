@@ -198,7 +198,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     import json
     import subprocess
 
-    from criu_bridge import locks, logs, privileges, taskimages
+    from criu_bridge import locks, logs, privileges, resumegate, taskimages
     from criu_bridge.errors import BridgeError
     from criu_bridge.rootfs.apply import apply_diff
 
@@ -293,6 +293,14 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     argv.append(call.container_id)
     env = None
     config = [] if "tcp-established" in plan.get("options", []) else [TCP_CLOSE]
+    filled = lazy and plan.get("filled") is True
+    if filled:
+        # A full restore through the page source: CRIU's pre-resume action runs the gate, which holds the
+        # processes (stopped, none of their code run) until every page is in (criu_bridge.resumegate).
+        gate = os.path.join(work, resumegate.SCRIPT_NAME)
+        with open(os.open(gate, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700), "w", encoding="utf-8") as fh:
+            fh.write(resumegate.script(sys.executable, work))
+        config.append(f"action-script {gate}")
     if config:
         conf = os.path.join(work, "criu.conf")
         with open(conf, "w", encoding="ascii") as fh:
@@ -300,8 +308,12 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         env = dict(os.environ, CRIU_CONFIG_FILE=conf)
     rc = subprocess.run(argv, close_fds=True, env=env).returncode
     if rc != 0:
+        gated = _read_text(os.path.join(work, resumegate.FAILED_NAME)) if filled else ""
         decisive = logs.read_decisive(os.path.join(work, "restore.log"))
-        msg = f"restore of {where}, phase restore: " + ("; ".join(decisive) or f"runc restore exited {rc}")
+        if gated:
+            msg = f"restore of {where}, phase lazy-pages: {gated}; its processes were killed before they ran"
+        else:
+            msg = f"restore of {where}, phase restore: " + ("; ".join(decisive) or f"runc restore exited {rc}")
         msg += f" (full CRIU log: {os.path.join(work, 'restore.log')})"
         _fail(call, plan_dir, msg)
         return rc or 1
@@ -316,6 +328,14 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         return 0  # the images are the page source's until every page is in
     drop_data(plan_dir)  # served their purpose; the marks and logs stay
     return 0
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(8192).strip()
+    except OSError:
+        return ""
 
 
 def _lazy_problem(plan_dir: str, work: str) -> str:

@@ -299,6 +299,7 @@ class Restorer:
     def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
         lazy: bool = False, *, nonce: str, mounts: Any = None, sandbox: str = "", logs: tuple[str, str] = ("", ""),
+        filled: bool = False,
     ) -> None:
         """Move a container's verified files from staging into its plan dir (renames only).
 
@@ -330,7 +331,7 @@ class Restorer:
             with open(os.path.join(plan_dir, LOCKS_FILE), "w", encoding="utf-8") as fh:
                 json.dump(wanted, fh)
         plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options),
-                "lazy": lazy, "nonce": nonce}
+                "lazy": lazy, "filled": lazy and filled, "nonce": nonce}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(plan, fh)
@@ -338,7 +339,9 @@ class Restorer:
             os.fsync(fh.fileno())
         os.replace(path + ".tmp", path)
         if sandbox:
-            self.replicas.record(Replica(os.path.basename(plan_dir), sandbox, where, cname, record.id, lazy,
+            # Listed as a full restore when filled: its processes ran only once every page was in.
+            self.replicas.record(Replica(os.path.basename(plan_dir), sandbox, where, cname, record.id,
+                                         lazy and not filled,
                                          log_path_of(*logs), logs[0], now_rfc3339()))
 
 
@@ -365,7 +368,13 @@ class RestoreRun:
     pod_config: dict[str, Any]
     pod_id: str
     staging: str
-    lazy: bool
+    lazy: bool  # the memory comes while the processes run
+    filled: bool  # full, but through the page source: the processes resume once every page is in
+
+    @property
+    def paged(self) -> bool:
+        """Whether the memory comes through page sources rather than the plan's images."""
+        return self.lazy or self.filled
 
     def __init__(self, service: Restorer, req: RestoreRequest, progress: ProgressFn) -> None:
         self.service = service
@@ -442,14 +451,15 @@ class RestoreRun:
         # The sandbox is findable before it exists: an answer lost leaves no sandbox behind.
         entry.data.update({"checkpoint": record.id, "pod": where, "sandbox": sandbox_record(pod_config, entry.op_id)})
         svc.journal.write(entry)
-        self.lazy = lazy = await svc.lazy.wanted(self.options.lazy, record)
-        self.progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if lazy else "")))
+        self.lazy = await svc.lazy.wanted(self.options.lazy, record)
+        self.filled = not self.lazy and await svc.lazy.filled(self.options.lazy, record)
+        self.progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if self.lazy else "")))
         # Read and verify every file while containerd makes the sandbox.
         self.staging = staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
         os.makedirs(staging, mode=0o700)
         try:
             unpack = asyncio.create_task(
-                asyncio.to_thread(svc.unpack, record, staging, req.source, lazy), name=f"unpack {record.id[:19]}"
+                asyncio.to_thread(svc.unpack, record, staging, req.source, self.paged), name=f"unpack {record.id[:19]}"
             )
             try:
                 self.pod_id = await svc.cri.run_pod(pod_config, self.handler)
@@ -489,12 +499,13 @@ class RestoreRun:
             entry.data["plans"].append(plan_dir)
             svc.journal.write(entry)
             await asyncio.to_thread(svc.write_plan, record, self.staging, cname, plan_dir, self.where, saved.options,
-                                    self.lazy, nonce=nonce, mounts=ccfg.get("mounts"), sandbox=self.pod_id,
+                                    self.paged, nonce=nonce, mounts=ccfg.get("mounts"), sandbox=self.pod_id,
                                     logs=(str(self.pod_config.get("log_directory") or ""),
-                                          str(ccfg.get("log_path") or "")))
-            if self.lazy:
+                                          str(ccfg.get("log_path") or "")), filled=self.filled)
+            if self.paged:
                 await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
-                                     callers=req.source is not None, exists=container_exists(svc.cri, cid))
+                                     callers=req.source is not None, exists=container_exists(svc.cri, cid),
+                                     filled=self.filled)
             self.created.append((cname, cid, nonce))
             self.progress(Progress("create", i + 1, len(saved.containers), message=cname))
 
@@ -515,7 +526,7 @@ class RestoreRun:
                 refused = runtime_handler.refusal(os.path.join(plans_dir, cid))
                 if refused is not None and not isinstance(refused, errors.Internal):
                     raise refused from exc
-                why = await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT) if self.lazy else ""
+                why = await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT) if self.paged else ""
                 if why:
                     code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
                     raise code(why) from exc

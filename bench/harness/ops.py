@@ -185,7 +185,8 @@ class Bench(Env):
 
     def stage_plan(self, ckpt: str, dest: Path, devshm_dest: Path | None = None) -> None:
         """The restore plan the agent writes for this checkpoint's (only)
-        container, copied to `dest`: a restore without --start, then the plan.
+        container, copied to `dest` with all its memory: a restore without
+        --start, then the plan (`whole_memory`).
         With `devshm_dest`, also what the restore put into the new sandbox's
         /dev/shm (the pod's own tmpfs, which is not part of the plan)."""
         name = f"stage-{secrets.token_hex(3)}"
@@ -200,6 +201,7 @@ class Bench(Env):
             src = os.path.join(self.plans_dir, cids[0])
             shutil.copytree(src, dest, symlinks=True,
                             ignore=shutil.ignore_patterns("work", "restored", "failed", "*.tmp"))
+            self.whole_memory(ckpt, dest)
             if devshm_dest is not None:
                 shm = devshm.shm_source(self.cri(lambda cri: cri.pod_status(pod_id)).spec)
                 if not shm or not os.path.isdir(shm):
@@ -207,6 +209,28 @@ class Bench(Env):
                 shutil.copytree(shm, devshm_dest, symlinks=True)
         finally:
             self.remove_pod(pod_id)
+
+    def whole_memory(self, ckpt: str, plan: Path) -> None:
+        """The agent's plan leaves the memory its page source brings (lazily, or before the processes resume
+        under --full) in the store, its pages files sparse: the baseline's copy gets every page, read from
+        the store (untimed), and is restored as CRIU restores a plan that lies whole on local disk."""
+        doc = json.loads((plan / "plan.json").read_text())
+        if not doc.get("lazy"):
+            return
+        from node_agent import podformat
+        from node_agent.store import Store
+
+        store = Store(self.store)
+        where = podformat.container_dir(str(doc["container"]))
+        whole = self.work / f"whole-{secrets.token_hex(4)}"
+        whole.mkdir(parents=True)
+        try:
+            store.materialize(store.get(ckpt), whole, prefix=where)
+            for f in sorted((whole / where / podformat.IMAGES_DIR).glob("pages-*.img")):
+                shutil.copyfile(f, plan / "images" / f.name)
+        finally:
+            shutil.rmtree(whole, ignore_errors=True)
+        (plan / "plan.json").write_text(json.dumps({**doc, "lazy": False, "filled": False}))
 
     def stage_bare_plan(self, src_plan: Path, ccfg: dict[str, Any], label: str) -> tuple[str, dict[str, Any], Path]:
         """A new pod's name and config in NS_RESTORE, and a copy of `src_plan` made for it (untimed)."""

@@ -11,7 +11,9 @@ and the module that does each:
 2. Decide: `support` says whether CRIU and the kernel can restore lazily
    (`node-agent doctor` prints the same verdict); `restores.LazyRestores`
    says whether this restore goes lazily (its `lazy` option, the node's
-   `lazy-restore` setting, no pre-dumped memory).
+   `lazy-restore` setting, no pre-dumped memory), and `filled` whether a
+   full one goes through the page source all the same, its processes held
+   until every page is in (`criu_bridge.resumegate`).
 3. Stage: `staging` reads each task's pagemap (`pagemap`) and writes the
    pages files sparse, with only the pages that cannot come lazily; the
    restorer (`restoring`) materializes the rest and writes the plan.

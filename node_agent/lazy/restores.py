@@ -102,7 +102,7 @@ class LazyRestores:
                 return False
         elif self.settings.lazy_restore != "auto":
             return False
-        if any("/predump/" in f.path for f in record.files):
+        if _predumped(record):
             log.info("checkpoint %s has pre-dumped memory: restoring it in full", record.id)
             return False
         ok, why = await self.supported()
@@ -112,11 +112,26 @@ class LazyRestores:
                         "restores read all memory before the containers start", why)
         return ok
 
+    async def filled(self, asked: bool | None, record: CheckpointRecord) -> bool:
+        """Whether a restore asked to be full (`asked` False) fills the memory through the page source.
+
+        Its processes then resume only once every page is in, each chunk
+        verified first: one pass over the memory, where staging it into the
+        plan's images first reads and writes it all before CRIU reads it
+        again. Not where lazy restore is impossible, or set to `never` on
+        this node, or for pre-dumped memory: those stage it as before.
+        """
+        if asked is not False or self.settings.lazy_restore != "auto" or _predumped(record):
+            return False
+        ok, _why = await self.supported()
+        return ok
+
     async def start(
         self, op_id: str, store: Store, record: CheckpointRecord, where: str, cname: str, container_id: str,
-        plan_dir: str, *, callers: bool, exists: Callable[[], Awaitable[bool | None]],
+        plan_dir: str, *, callers: bool, exists: Callable[[], Awaitable[bool | None]], filled: bool = False,
     ) -> None:
-        """Start the helpers of one container whose plan is written; `callers`: `store` is a caller's."""
+        """Start the helpers of one container whose plan is written; `callers`: `store` is a caller's;
+        `filled`: a full restore through the page source (`filled`)."""
         origin, passwords = _remote_access(store, record.id)
         # The page source holds the blobs it serves until its pages are
         # in: a hold in our store, or links to a caller's checkpoint.
@@ -131,7 +146,7 @@ class LazyRestores:
                               origin=origin, passwords=passwords, hold=hold,
                               private_store=private is not None, exists=exists,
                               seal_key=seal_key, sandbox=replica.sandbox if replica is not None else "",
-                              pod_failed=self._pod_failed)
+                              pod_failed=self._pod_failed, filled=filled)
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)
@@ -233,6 +248,11 @@ class LazyRestores:
         task = asyncio.create_task(forget(), name=f"lazy done {session.container_id[:13]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _predumped(record: CheckpointRecord) -> bool:
+    """Whether the checkpoint's memory is a pre-dump chain (restored from the plan's images only)."""
+    return any("/predump/" in f.path for f in record.files)
 
 
 def _seal_key(store: Store, record: CheckpointRecord) -> SealKey | None:

@@ -7,7 +7,10 @@ before StartContainer:
    the restore (run by the wrapper at StartContainer) will connect and hand
    over the processes' userfaultfds;
 2. the page source (`node_agent.lazy.source`), a separate process that
-   takes that socket and fills the processes' memory from the store.
+   takes that socket and fills the processes' memory from the store;
+3. for a full restore through the page source (`filled`), a second
+   listening socket, ``work/resume.socket``, where the restore's pre-resume
+   gate asks the source whether the processes may run.
 
 The session then guards the transfer: it holds a duplicate of every
 userfaultfd the source is handed, so a page source that dies can never make
@@ -43,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from criu_bridge import resumegate
 from node_agent.cancelling import cancel_and_wait
 from node_agent.config.schema import Settings
 from node_agent.lazy.fault_handler import SOCKET_NAME
@@ -94,6 +98,9 @@ class LazySession:
     # stops the whole pod's restored containers, this one first, and returns
     # how many of this one's processes were killed.
     pod_failed: Callable[[LazySession, str], Awaitable[int]] | None = None
+    # A full restore through the page source: the processes resume only once every page is in (the source
+    # answers the restore's pre-resume gate, criu_bridge.resumegate, on its own socket in the plan).
+    filled: bool = False
     # (pages in, pages in all) as the source last reported them.
     progress: tuple[int, int] | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -145,6 +152,7 @@ class LazySession:
         """Start the page source; return once the socket the restore connects to listens."""
         os.makedirs(self.work, mode=0o700, exist_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        gate = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if self.filled else None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             _bind_in(listener, self.work, SOCKET_NAME)
@@ -156,6 +164,11 @@ class LazySession:
             if self.hold is not None:
                 source_args += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
                 fds.append(self.hold.lease_fd)
+            if gate is not None:
+                _bind_in(gate, self.work, resumegate.SOCKET_NAME)
+                gate.listen(1)
+                source_args += ["--resume-fd", str(gate.fileno())]
+                fds.append(gate.fileno())
             try:
                 # The background transfer yields to foreground work (the next
                 # restore, most of all): the source runs at the background
@@ -176,12 +189,15 @@ class LazySession:
                 self.hold.detach()  # the source holds it now
         except BaseException:
             _unlink(os.path.join(self.work, SOCKET_NAME))
+            _unlink(os.path.join(self.work, resumegate.SOCKET_NAME))
             if self.hold is not None:
                 self.hold.release()
             ours.close()
             raise
         finally:
             listener.close()
+            if gate is not None:
+                gate.close()
             theirs.close()
         self._ctrl = ours
         try:
@@ -330,6 +346,7 @@ class LazySession:
             self._close_ctrl()
             self._ctrl.close()
         _unlink(os.path.join(self.work, SOCKET_NAME))
+        _unlink(os.path.join(self.work, resumegate.SOCKET_NAME))
         self.outcome = outcome
         if outcome.ok:
             shutil.rmtree(self.images, ignore_errors=True)

@@ -12,6 +12,13 @@ its digest before a byte of it reaches a process.
 Only a process running as root (the restore's CRIU) may connect: any other
 peer is refused.
 
+A full restore through this process (``--resume-fd``: a filled plan) is
+the same transfer, with the restored processes held by CRIU until it is
+over: once every page is in, the source answers the restore's pre-resume
+gate (`criu_bridge.resumegate`) ``ok`` on that socket; when serving fails,
+``failed <reason>`` (or nothing: the gate then finds the socket closed),
+and the gate kills the processes before they run.
+
 Control channel (inherited Unix stream socket), JSON lines to the agent:
 
 * ``{"event": "connected"}``: the restore connected; the processes exist.
@@ -68,6 +75,8 @@ from node_agent.store.sealing import SealKey, StaticKeyring
 log = logging.getLogger("node_agent.lazy.source")
 
 RELEASE_WAIT = 10.0
+# How long a filled restore's page source waits, every page in, for CRIU's pre-resume gate to ask.
+GATE_WAIT = 60.0
 PROGRESS_EVERY = 1.0
 # The outcome in the plan: written by the agent's session, or by this process when the agent is gone.
 DONE_FILE = "lazy.done"
@@ -129,6 +138,26 @@ def accept_restore(listener: socket.socket, timeout: float) -> socket.socket:
             return conn
         log.warning("refused a connection to the lazy-pages socket from %s: not root", who)
         conn.close()
+
+
+def _answer_gate(gate: socket.socket | None, line: str, wait: float) -> None:
+    """Tell a filled restore's pre-resume gate (`criu_bridge.resumegate`) whether its processes may run.
+
+    ``ok`` once every page is in; anything else, and a gate that finds the
+    socket closed, kills the processes before they run. The gate connects
+    when CRIU reaches ``pre-resume``, just after it says the restore
+    finished: success waits up to ``wait`` for it, failure does not wait.
+    """
+    if gate is None:
+        return
+    try:
+        with accept_restore(gate, wait) as conn:
+            conn.sendall((" ".join(line.split()) + "\n").encode())
+    except (SourceError, OSError) as exc:
+        if line == "ok":
+            log.warning("the restore's pre-resume gate did not ask within %gs: %s", wait, exc)
+    finally:
+        gate.close()
 
 
 def _tell(ctrl: socket.socket, event: dict[str, object], fds: list[int] | None = None) -> None:
@@ -263,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     # kept until this process is done: see Store.hold.
     p.add_argument("--hold-fd", type=int, default=-1)
     p.add_argument("--hold-dir", default="")
+    # A filled restore (--full through this process): the listening socket its pre-resume gate asks.
+    p.add_argument("--resume-fd", type=int, default=-1)
     # --store is this process's own (hard links in the restore plan): remove it at the end.
     p.add_argument("--private-store", action="store_true")
     args = p.parse_args(argv)
-    background.lower(os.getpid())  # the transfer yields to foreground work
+    if args.resume_fd < 0:  # a filled restore's transfer is the restore itself: it keeps the caller's priority
+        background.lower(os.getpid())  # the transfer yields to foreground work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s page-source %(levelname)s %(message)s")
     ctrl = socket.socket(fileno=args.control_fd)
     listener = socket.socket(fileno=args.listen_fd)
+    gate = socket.socket(fileno=args.resume_fd) if args.resume_fd >= 0 else None
     socket_path = os.path.join(os.path.dirname(os.path.abspath(args.images)), "work", SOCKET_NAME)
     began = time.monotonic()
     conn: socket.socket | None = None
@@ -319,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             over.set()
         took = time.monotonic() - start
+        _answer_gate(gate, "ok", GATE_WAIT)  # every page is in: the processes may run
         fetcher.drain()  # every chunk fetched is in the store before the agent hears it is done
         pages = handler.copied // PAGE_SIZE
         log.info("filled %d of %d lazy pages (%d faults) in %.2fs", pages, handler.total_pages, handler.faults, took)
@@ -337,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         copied = handler.copied // PAGE_SIZE if handler is not None else 0
         message = f"{exc} (after {copied} pages)"
         log.error("%s", message)
+        _answer_gate(gate, f"failed {message}", 0.0)  # a filled restore's processes never run
         with telling:
             _tell(ctrl, {"event": "error", "message": message})
         # Keep the userfaultfds open until the container is dead, so that no
@@ -347,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             _stop_alone(args, config, message)
         return 1
     finally:
+        if gate is not None:
+            gate.close()
         if handler is not None:
             handler.close()
         if conn is not None:

@@ -160,8 +160,9 @@ def test_an_encrypted_signed_checkpoint_restores_and_its_secret_stays_out_of_eve
         assert info["signers"] == [signer], info  # signed on publish by the node's key
         assert "secteam-1" in bed.cli("checkpoints", "ls").stdout
 
-        # Restored in full, under the namespace whose key is trusted: the same process, the same memory.
-        res = _restore(bed, ckpt, "e2e-sec-copy")
+        # Restored in full (its sealed chunks opened and verified by the page source before the process runs),
+        # under the namespace whose key is trusted: the same process, the same memory.
+        res = _restore(bed, ckpt, "e2e-sec-copy", "--full")
         pods.append(res["pod_sandbox_id"])
         got = wait_for(lambda: _ask(pod_detail(bed, res["pod_sandbox_id"]).ip), timeout=60, what="the restored server")
         assert (got["started"], got["pid"], got["memory"], got["secret"]) == (

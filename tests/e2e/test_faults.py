@@ -621,3 +621,44 @@ def test_a_corrupt_memory_chunk_stops_the_whole_restored_pod_and_says_why(agent:
         agent.cli("checkpoints", "rm", ckpt, check=False)
         agent.cli("gc")
     _clean(agent, "e2e-fault-bit", "e2e-fault-bit-r")
+
+
+def test_a_full_restore_refuses_a_corrupt_memory_chunk_before_any_process_runs(agent: Bed) -> None:
+    """`--full` brings the memory in through the page source while CRIU holds the restored processes before
+    their first instruction: a chunk that fails verification is refused with DATA_LOSS, naming it, the
+    processes are killed where they stand and nothing of the restore stays. The same checkpoint, whole
+    again, restores in full as the same process."""
+    pod, _ip, before = _unique_memhog(agent, "e2e-fault-full", 89)
+    ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
+    blobs = os.path.join(agent.store, "blobs", "sha256")
+    with open(os.path.join(blobs, ckpt.split(":")[1]), encoding="utf-8") as fh:
+        victim = max(json.load(fh)["layers"], key=lambda layer: layer["size"])["digest"]  # a chunk of memory
+    plans = _plans_of(agent)
+    blob = os.path.join(blobs, victim.split(":")[1])
+    try:
+        with open(blob, "r+b") as fh:
+            original = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([original[0] ^ 0x01]))
+        cp = agent.cli("restore", ckpt, "--namespace", "e2e-fault-full-r", "--start", "--full", check=False)
+        assert cp.returncode != 0, cp.stdout
+        assert "DATA_LOSS" in cp.stderr and "digest mismatch" in cp.stderr and victim in cp.stderr, cp.stderr
+        wait_for(lambda: not pods_in(agent, "e2e-fault-full-r") and not _pending_undos(agent), timeout=60,
+                 what="the failed restore's pod to go")
+        assert _copies(89) == [container_detail(agent, pod.containers["mem"]).pid], "a restored copy was left"
+        assert _plans_of(agent) <= plans
+
+        with open(blob, "r+b") as fh:
+            fh.write(original)
+        res = json.loads(agent.cli("restore", ckpt, "--namespace", "e2e-fault-full-r", "--start", "--full",
+                                   "-o", "json").stdout)
+        try:
+            got = wait_for(lambda: answers(pod_detail(agent, res["pod_sandbox_id"]).ip), timeout=60,
+                           what="the full restore to answer")
+            assert got and _sum(ask(pod_detail(agent, res["pod_sandbox_id"]).ip)) == before
+        finally:
+            remove_pod(agent, res["pod_sandbox_id"])
+    finally:
+        remove_pod(agent, pod.id)
+        agent.cli("checkpoints", "rm", ckpt, check=False)
+    _clean(agent, "e2e-fault-full-r")

@@ -5,8 +5,9 @@ memory. Restore plans hold that memory in the clear while they are needed. After
 secret is searched for in the whole store (blobs, plans, Pod restores' state, scratch), and found
 nowhere:
 - restored and started (lazily, the default): the plan's data goes when the pages are in;
-- restored, never started, and its pod removed through containerd itself (not through the agent):
-  the periodic sweep removes the plan (before, the search finds the secret there: it works);
+- restored in full, never started, and its pod removed through containerd itself (not through the
+  agent): its plan holds none of the memory in the clear (it comes through the page source at the
+  start), and the periodic sweep removes the plan;
 - a restore that fails at start (a forged checkpoint, refused by the image check): nothing stays;
 - restore through a Pod whose container the kubelet does not create yet: nothing is kept in the
   clear between the kubelet's calls; its CreateContainer then reads the checkpoint and restores the
@@ -65,12 +66,16 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
             wait_for(lambda: _found(agent) == [], timeout=60, what="the plan's plaintext to go")
             remove_pod(agent, res["pod_sandbox_id"])
 
-            # Never started, its pod removed through containerd itself: the sweep removes the plan.
+            # Restored in full, never started: the memory waits sealed in the store (the page source brings
+            # it in at the start, before the processes run), so the plan holds none of it in the clear. Its
+            # pod removed through containerd itself: the sweep removes the plan.
             res = _restore(agent, ckpt, "--full")
             made.append(res["pod_sandbox_id"])
-            assert _found(agent, "plans"), "a full plan holds the memory in the clear: the search works"
+            plan = Path(agent.store) / "plans" / res["containers"][0]["container_id"]
+            assert (plan / "plan.json").is_file() and _found(agent, "plans") == []
             remove_pod(agent, res["pod_sandbox_id"])
-            wait_for(lambda: _found(agent) == [], timeout=30, what="the sweep to remove the plan")
+            wait_for(lambda: not plan.exists(), timeout=30, what="the sweep to remove the plan")
+            assert _found(agent) == []
 
             # A restore that fails at start: the images are refused, nothing of it stays.
             tree = _exported(agent, ckpt, "app", tmp_path / "forged", "--plaintext")

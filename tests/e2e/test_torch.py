@@ -4,7 +4,8 @@ The torch image (scripts/testbed up --images torch; docs/testbed.md) holds Debia
 OpenBLAS and `torchserver`: it imports torch, loads 512 MiB of seeded weights saved as .npy when the
 image was built into 128 linear layers of their own (load_state_dict from torch.from_numpy), traces the
 model, warms up and serves over HTTP. It is checkpointed while a client keeps asking it, then restored
-into another namespace twice: by default (lazily, pages streamed in while it runs) and with `--full`.
+into another namespace twice: by default (lazily, pages streamed in while it runs) and with `--full`
+(every page in, its weights resident, before the restore returns).
 Each restore must be the same process by its own account (its recorded start, its PID), hold the same
 parameters (their digest computed again from its memory), give the same answer for the same input,
 count on from the source's requests, and serve again.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +50,13 @@ def _idle_count(ip: str) -> int:
         return None if doc["handling"] else int(doc["requests"])
 
     return int(wait_for(idle, timeout=120, what="the requests in flight to finish"))
+
+
+def _rss_anon(pid: int) -> int:
+    """Bytes of anonymous memory resident in process `pid` (/proc/PID/status, RssAnon)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        kib = next(int(line.split()[1]) for line in fh if line.startswith("RssAnon:"))
+    return kib << 10
 
 
 def _digest(ip: str) -> str:
@@ -104,7 +114,14 @@ def test_the_torch_server_restores_lazily_and_in_full_as_the_same_process(torchb
         out = torchbed.cli("restore", ckpt, "--namespace", namespace, "--start", *flags).stdout.split()
         pod_id, cid = out[0], out[2]
         things.append(pod_id)
-        assert container_detail(torchbed, cid).container.state == "CONTAINER_RUNNING"
+        detail = container_detail(torchbed, cid)
+        assert detail.container.state == "CONTAINER_RUNNING"
+        with open(os.path.join(torchbed.store, "plans", cid, "plan.json"), encoding="utf-8") as fh:
+            plan = json.load(fh)
+        # Both through the page source; the full one lets the processes run once every page is in.
+        assert (plan["lazy"], plan["filled"]) == (True, bool(flags)), plan
+        if flags:  # so it returns with the weights resident, before any request
+            assert _rss_anon(detail.pid) >= LAYERS << 22, (namespace, _rss_anon(detail.pid))
         new_ip = pod_detail(torchbed, pod_id).ip
         first = wait_for(_answering(lambda: _predict(new_ip, xs[0])), timeout=120,
                          what=f"the torch server restored {' '.join(flags) or 'by default'}")
