@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from testbed.bed import (
     NODE_AGENT, Bed, answers, ask, container_detail, criu_processes, freezer_state, pod_detail, pods_in,
     remove_pod, wait_for,
@@ -623,11 +625,12 @@ def test_a_corrupt_memory_chunk_stops_the_whole_restored_pod_and_says_why(agent:
     _clean(agent, "e2e-fault-bit", "e2e-fault-bit-r")
 
 
+@pytest.mark.also17
 def test_a_full_restore_refuses_a_corrupt_memory_chunk_before_any_process_runs(agent: Bed) -> None:
     """`--full` brings the memory in through the page source while CRIU holds the restored processes before
     their first instruction: a chunk that fails verification is refused with DATA_LOSS, naming it, the
     processes are killed where they stand and nothing of the restore stays. The same checkpoint, whole
-    again, restores in full as the same process."""
+    again, restores in full as the same memory. On containerd 2.1 and 1.7."""
     pod, _ip, before = _unique_memhog(agent, "e2e-fault-full", 89)
     ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
     blobs = os.path.join(agent.store, "blobs", "sha256")
