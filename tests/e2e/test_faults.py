@@ -665,3 +665,34 @@ def test_a_full_restore_refuses_a_corrupt_memory_chunk_before_any_process_runs(a
         remove_pod(agent, pod.id)
         agent.cli("checkpoints", "rm", ckpt, check=False)
     _clean(agent, "e2e-fault-full-r")
+
+
+def test_a_full_restore_of_a_lazily_pulled_checkpoint_brings_its_memory_from_the_registry_first(
+        agent: Bed, registry: Any) -> None:
+    """`pull --lazy` leaves the memory in the registry; `restore --full` then fetches it through the page
+    source, every chunk verified, while CRIU holds the process: the call returns running with the memory
+    in, the process answers with the source's memory, and the checkpoint is whole in the store after."""
+    pod, _ip, before = _source(agent, "e2e-fault-pulled", 32)
+    ckpt = agent.cli("checkpoint", pod.id).stdout.strip().splitlines()[-1]
+    try:
+        with _lazy_from_registry(agent, registry, ckpt):
+            origin = Path(agent.store) / "origins" / f"{ckpt.split(':')[1]}.json"
+            assert origin.is_file(), "its memory is still in the registry"
+            res = json.loads(agent.cli("restore", ckpt, "--namespace", "e2e-fault-pulled-r", "--start", "--full",
+                                       "-o", "json").stdout)
+            cid = res["containers"][0]["container_id"]
+            try:
+                with open(os.path.join(agent.store, "plans", cid, "plan.json"), encoding="utf-8") as fh:
+                    plan = json.load(fh)
+                assert (plan["lazy"], plan["filled"]) == (True, True), plan
+                assert [(r["lazy"], r["state"]) for r in _restores(agent) if r["container_id"] == cid] == [
+                    (False, "running")]
+                assert _sum(ask(pod_detail(agent, res["pod_sandbox_id"]).ip, timeout=30)) == before
+                wait_for(lambda: not origin.exists(), timeout=60, what="every blob of the checkpoint in the store")
+                assert agent.cli("checkpoints", "verify", ckpt).returncode == 0
+            finally:
+                remove_pod(agent, res["pod_sandbox_id"])
+    finally:
+        agent.cli("checkpoints", "rm", ckpt, check=False)
+        remove_pod(agent, pod.id)
+    _clean(agent, "e2e-fault-pulled-r")
