@@ -340,11 +340,9 @@ def _read_text(path: str) -> str:
 
 def _lazy_problem(plan_dir: str, work: str) -> str:
     """Why a lazy restore cannot start now ("" when it can)."""
-    try:
-        with open(os.path.join(plan_dir, "lazy.failed"), encoding="utf-8") as fh:
-            return fh.read(4096).strip() or "the page source failed"
-    except OSError:
-        pass
+    failed = os.path.join(plan_dir, "lazy.failed")
+    if os.path.exists(failed):
+        return _read_text(failed) or "the page source failed"
     if not os.path.exists(os.path.join(work, "lazy-pages.socket")):
         return ("the page source for this container is gone (it waits a limited time for StartContainer); "
                 "restore the checkpoint again")
