@@ -39,7 +39,8 @@ from bench.harness.main import docs_with, run_facts, standalone
 from bench.harness.measure import evict, proc_status, warm
 from bench.harness.ops import Bench
 from bench.report import framework as report
-from bench.scenarios.firstanswer import MODEL, PORT, FirstAnswer, Server, model_image
+from bench.scenarios.crossnode_paths import CpuLog, Marked
+from bench.scenarios.firstanswer import MODEL, PORT, Server, model_image
 from node_agent.store import Store
 from node_agent.store.documents import FileEntry
 
@@ -95,19 +96,29 @@ def transfer_bound(store_root: str, ckpt: str, threads: int = 2) -> dict[str, An
         t = time.monotonic()
         with ThreadPoolExecutor(threads) as pool:
             moved = sum(pool.map(lane, [jobs[i::threads] for i in range(threads)]))
-        seconds = time.monotonic() - t
+        end = time.monotonic()
+        seconds = end - t
     finally:
         del anchor
         area.close()
     if moved != total:
         raise FrameworkError(f"the bound moved {moved} bytes of {total}")
-    return {"bytes": total, "chunks": len(jobs), "s": round(seconds, 4), "threads": threads}
+    return {"bytes": total, "chunks": len(jobs), "s": round(seconds, 4), "threads": threads, "span": (t, end)}
 
 
 class Framework:
-    def __init__(self, bench: Bench) -> None:
+    def __init__(self, bench: Bench, cpu: CpuLog) -> None:
         self.bench = bench
         self.timeout = bench.op_timeout
+        self.cpu = cpu
+
+    def _restore(self, fa: Marked, ckpt: str, path: str, ref: dict[str, Any] | None, tag: str,
+                 **kw: Any) -> dict[str, Any]:
+        """fa.agent's restore, with the machine's CPU busy share from the call until every page is in."""
+        x = fa.agent(ckpt, path, ref, tag, self.timeout, **kw)
+        took = x.get("all_in_s") or x.get("answer_s") or x["running_s"]
+        x["cpu_busy"] = self.cpu.span(fa.opened, fa.opened + took)["cpu_busy"]
+        return x
 
     def _cache(self, state: str) -> None:
         """The page cache as `state` says. Emptied: every file of the bed's containerd root (image content and
@@ -135,6 +146,7 @@ class Framework:
             def with_bound(label: str) -> dict[str, Any]:
                 r = one_round(label)
                 r["bound"] = transfer_bound(self.bench.store, ckpt)
+                r["bound"]["cpu_busy"] = self.cpu.span(*r["bound"].pop("span"))["cpu_busy"]
                 return r
 
             out["warmup"] = [with_bound(f"{prefix}w{i + 1}") for i in range(warmup)]
@@ -149,7 +161,7 @@ class Framework:
 
     def torch(self, runs: int, warmup: int) -> dict[str, Any]:
         """The torch server's first-answer rounds, and its transfer rate."""
-        fa = FirstAnswer(self.bench, TORCH)
+        fa = Marked(self.bench, TORCH)
         image = self.bench.b.info["images"]["torch"]
         pod_id, _, ref, cid = fa.source(image, self.timeout)
         pid = self.bench.cri(lambda cri: cri.container_status(cid)).pid
@@ -166,7 +178,7 @@ class Framework:
                     if path == "cold":
                         x = fa.cold(image, ref, tag, self.timeout)
                     else:
-                        x = fa.agent(ckpt, path, ref, tag, self.timeout, warm_store=False)
+                        x = self._restore(fa, ckpt, path, ref, tag, warm_store=False)
                     x.pop("body", None)
                     r[f"{path}_{cache}"] = x
                     self.bench.settle()
@@ -184,14 +196,14 @@ class Framework:
         """The numpy model server (`kind` "numpy") or memhog ("memhog") of `mib` MiB: default and full restores,
         warm, against the bound."""
         if kind == "numpy":
-            fa = FirstAnswer(self.bench, MODEL)
+            fa = Marked(self.bench, MODEL)
             image = model_image(self.bench.b.info)
             if image is None:
                 raise FrameworkError("the bed has no model server image")
             pod_id, _, ref, _ = fa.source(image, self.timeout)
             ref_: dict[str, Any] | None = ref
         else:
-            fa = FirstAnswer(self.bench)
+            fa = Marked(self.bench)
             pod_id = self.bench.new_pod("hog", mib, ["hog"]).id
             ref_ = None
         out: dict[str, Any] = {"kind": kind, "mib": mib}
@@ -201,7 +213,7 @@ class Framework:
         def one_round(label: str) -> dict[str, Any]:
             r: dict[str, Any] = {}
             for path in ("default", "full"):
-                x = fa.agent(ckpt, path, ref_, f"{label}{path[0]}", self.timeout, keep=ref_ is None)
+                x = self._restore(fa, ckpt, path, ref_, f"{label}{path[0]}", keep=ref_ is None)
                 if ref_ is None:  # memhog answers nothing: its ticks going on say it runs
                     try:
                         self.bench.check_running(x["container_id"])
@@ -229,10 +241,15 @@ def measure(bench: Bench) -> dict[str, Any]:
     bench.op_timeout = min(600.0, 120.0 + args.mib * 0.4)
     out: dict[str, Any] = {"runs": args.runs, "mib": args.mib}
     log(f"torch server: {args.runs} interleaved runs of cold / default / full, page cache warm and emptied")
-    out["torch"] = Framework(bench).torch(args.runs, args.warmup)
-    for kind in ("numpy", "memhog"):
-        log(f"{kind}, {args.mib} MiB: {args.runs} runs of default and full restores against the bound")
-        out[kind] = Framework(bench).transfer(kind, args.runs, args.warmup, args.mib)
+    cpu = CpuLog()
+    cpu.start()
+    try:
+        out["torch"] = Framework(bench, cpu).torch(args.runs, args.warmup)
+        for kind in ("numpy", "memhog"):
+            log(f"{kind}, {args.mib} MiB: {args.runs} runs of default and full restores against the bound")
+            out[kind] = Framework(bench, cpu).transfer(kind, args.runs, args.warmup, args.mib)
+    finally:
+        cpu.stop()
     return out
 
 

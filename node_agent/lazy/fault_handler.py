@@ -136,6 +136,7 @@ class Handler:
             if first is not None:
                 task.cache.warm(task.file_offset(first.img))
         self.epoll.register(fd, select.EPOLLIN)
+        log.info("task %d: %d pages to fill", task_id, task.pending.bytes // PAGE_SIZE)
 
     def read_restore(self, conn: socket.socket) -> None:
         """Take the restore's userfaultfds until it says it finished (in a thread of its own)."""
@@ -151,6 +152,8 @@ class Handler:
                     with self.lock:
                         self.finished = True
                         self.lock.notify_all()
+                    log.info("the restore finished: %d tasks, %d of %d pages in", len(self.tasks),
+                             self.copied // PAGE_SIZE, self.total_pages)
                     continue
                 if word < 0:
                     continue  # a zombie: no memory to fill

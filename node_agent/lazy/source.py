@@ -330,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
             origin = None
         source = Source(store, args.checkpoint, args.container, args.images, origin,
                         lanes=settings.connections if settings is not None else 1)
+        log.info("ready: %d pages of %d tasks to fill, %.3fs after this process started", source.total,
+                 len(source.files), _since_started())
         try:
             conn = accept_restore(listener, args.start_timeout)
         finally:
             listener.close()
             with contextlib.suppress(OSError):  # one restore per plan: a second StartContainer finds no socket
                 os.unlink(socket_path)
+        log.info("the restore connected")
         _tell(ctrl, {"event": "connected"})
 
         def hand_over(fd: int, task: int) -> None:
@@ -393,6 +396,16 @@ def main(argv: list[str] | None = None) -> int:
         _end_hold(args.store, args.hold_dir, args.hold_fd)
         if args.private_store and os.path.isfile(os.path.join(args.store, "oci-layout")):
             shutil.rmtree(args.store, ignore_errors=True)
+
+
+def _since_started() -> float:
+    """Seconds since this process started (its start time in /proc, in clock ticks since boot)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def _end_hold(store_root: str, hold_dir: str, fd: int) -> None:
