@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.base import NS_SRC, BenchError, log, wait_until
+from bench.harness.machine import inode_reuse_window
 from bench.harness.ops import Bench
 from bench.scenarios.firstanswer import FirstAnswer, model_image
 from node_agent.config.loading import load as load_settings
@@ -99,6 +100,7 @@ class Cluster(Bench):
         self.retired_cpu = 0.0  # the CPU seconds of the caches stopped
         self.pulled: dict[str, str] = {}  # target -> the model image it pulled last
         self.connections = 8
+        self.emptied: dict[str, float] = {}  # bed -> when its store's blobs were last deleted (monotonic)
 
     @property
     def reg(self) -> Registry:
@@ -182,6 +184,19 @@ class Cluster(Bench):
         for item in json.loads(cp.stdout):
             node.remove_checkpoint(str(item["id"]))
         node.cli("gc", "-o", "json")
+        self.emptied[node.b.name] = time.monotonic()
+
+    def fresh(self, *nodes: Bench) -> None:
+        """Wait until the nodes' stores make new files as a fresh node's does: after `forget`, for as long as
+        the stores' filesystem makes a new file pay for each file deleted moments before
+        (`machine.inode_reuse_window`; 0 on most filesystems)."""
+        due = max((self.emptied.get(node.b.name, 0.0) + inode_reuse_window(node.b.store) for node in nodes),
+                  default=0.0)
+        wait = due - time.monotonic()
+        if wait > 0:
+            log(f"  {wait:.0f} s for the files deleted on {', '.join(node.b.name for node in nodes)} to age "
+                "(ext4 without a journal)")
+            time.sleep(wait)
 
     # ---- one weights size --------------------------------------------------------
 

@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -195,30 +194,28 @@ def verify_cost(size: int) -> float:
     return round(time.thread_time() - started, 4)
 
 
-def store_cost(blobs: list[tuple[str, int]], where: str) -> float:
-    """The CPU seconds this machine takes to write `blobs` (digest, size) as a store keeps them, in a scratch
-    directory in `where` (a node's store's filesystem): a new file each, written past the page cache
+def store_cost(blobs: list[tuple[str, int]], scratch: str) -> float:
+    """The CPU seconds this machine takes to write `blobs` (digest, size) as a store keeps them, in the new
+    directory `scratch` on a node's store's filesystem: a new file each, written past the page cache
     (store/direct.py), fsynced and renamed into place, the directory fsynced: what keeping every blob of a
-    pull costs at the least, whoever keeps it."""
-    scratch = tempfile.mkdtemp(prefix=".store-cost-", dir=where)
+    pull costs at the least, whoever keeps it. The caller removes `scratch`, as the node's store is emptied
+    (deleted files make the next files made near them dearer: `machine.inode_reuse_window`)."""
+    os.mkdir(scratch, 0o700)
     data = memoryview(bytes(max((size for _, size in blobs), default=0)))  # what the bytes are costs nothing
-    try:
-        started = time.thread_time()
-        for digest, size in blobs:
-            name = digest.split(":", 1)[1]
-            temp = os.path.join(scratch, f"blob-{name}")
-            out = NewFile(temp)
-            try:
-                out.write(data[:size])
-                out.finish()
-                os.fsync(out.fd)
-            finally:
-                out.close()
-            os.rename(temp, os.path.join(scratch, name))
-        fsync_dir(scratch)
-        return round(time.thread_time() - started, 4)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    started = time.thread_time()
+    for digest, size in blobs:
+        name = digest.split(":", 1)[1]
+        temp = os.path.join(scratch, f"blob-{name}")
+        out = NewFile(temp)
+        try:
+            out.write(data[:size])
+            out.finish()
+            os.fsync(out.fd)
+        finally:
+            out.close()
+        os.rename(temp, os.path.join(scratch, name))
+    fsync_dir(scratch)
+    return round(time.thread_time() - started, 4)
 
 
 def get_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]], connections: int,
@@ -327,6 +324,7 @@ class Columns:
     def cli(self, label: str) -> dict[str, Any]:
         """`pull --lazy` of the origin's reference, then the default restore with start, on B."""
         node = self.cluster.targets["b"]
+        self.cluster.fresh(node)
         request = pb.PullRequest(reference=self.model.ckpt_ref, credentials=PLAIN, lazy=True)
         result, m0, pull_s = transfer(node, "Pull", request, self.timeout)
         if result.checkpoint_id != self.model.ckpt:
@@ -418,6 +416,7 @@ class Columns:
     def pod(self, label: str) -> dict[str, Any]:
         """The Pod path on B, the model image already there."""
         made: list[dict[str, Any]] = []
+        self.cluster.fresh(self.cluster.targets["b"])
         try:
             out = self._pod_start("b", label, made)
             wrong = self._pod_finish(out)
@@ -432,6 +431,7 @@ class Columns:
         until the end; the origin's blob bytes counted before, after C, and after B and D."""
         origin, digests = self.cluster.reg, self.model.digests
         self.cluster.fresh_cache()
+        self.cluster.fresh(self.cluster.targets["c"])
         before = quiet_count(origin, digests)
         made: list[dict[str, Any]] = []
         wrong: list[str] = []
@@ -440,6 +440,7 @@ class Columns:
             first = self._pod_start("c", label, made)
             wrong += [w for w in [self._pod_finish(first)] if w]
             after_first = quiet_count(origin, digests)
+            self.cluster.fresh(self.cluster.targets["b"], self.cluster.targets["d"])
             gate = threading.Barrier(2)
 
             def one(name: str) -> None:
@@ -473,8 +474,12 @@ class Columns:
     def throughput(self, label: str) -> dict[str, Any]:
         """The GET bound from the origin and from the cache the CLI and Pod paths read through (filled by the
         fan-out), a full pull on B straight from the origin, a push from A into a new repository of the origin
-        (every blob uploaded again)."""
+        (every blob uploaded again). What writing the blobs costs at the least is measured on B's filesystem
+        first, where the pull writes them."""
         node, origin = self.cluster.targets["b"], self.cluster.reg
+        self.cluster.fresh(node)
+        scratch = os.path.join(os.path.dirname(node.b.store), f".store-cost-{label}")
+        store = {"cpu_s": store_cost(self.model.blobs, scratch)}
         get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
         get.update(self._cpu(get.pop("m0"), get["s"]))
         self.cluster.settle()
@@ -489,6 +494,7 @@ class Columns:
                                                                      credentials=PLAIN), self.timeout)
         finally:
             self.cluster.point(node, self.cluster.cache)
+            shutil.rmtree(scratch, ignore_errors=True)  # deleted as B's store is emptied
         if result.checkpoint_id != self.model.ckpt:
             raise BenchError(f"pull of {self.model.ckpt_ref} on B gave {result.checkpoint_id}")
         pull = {"s": round(took, 4), "bytes": int(result.bytes_transferred), "blobs": int(result.blobs_transferred),
@@ -506,4 +512,4 @@ class Columns:
         put.update(self._cpu(put.pop("m0"), put["s"]))
         return {"get": get, "cache_get": cache_get, "pull": pull, "push": push, "put": put,
                 "sha256": {"cpu_s": verify_cost(self.model.stored)},
-                "store": {"cpu_s": store_cost(self.model.blobs, os.path.dirname(node.b.store))}}
+                "store": store}
