@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 SOCKET_NAME = "resume.socket"
 FAILED_NAME = "resume.failed"
@@ -52,7 +53,7 @@ def ask(path: str) -> str:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     buf = b""
     try:
-        _connect(sock, path)
+        at_path(sock.connect, path)
         while not buf.endswith(b"\n") and len(buf) < _MAX_LINE:
             got = sock.recv(4096)
             if not got:
@@ -68,14 +69,15 @@ def ask(path: str) -> str:
     return line.removeprefix("failed ").strip() or "the page source ended before every page was in"
 
 
-def _connect(sock: socket.socket, path: str) -> None:
-    """Connect to a Unix socket at a path that may be longer than a socket address holds."""
+def at_path(act: Callable[[str], None], path: str) -> None:
+    """``act`` (a Unix socket's ``bind`` or ``connect``) at ``path``, which may be longer than a socket
+    address holds: then through the directory's ``/proc/self/fd`` entry, opened for the call."""
     if len(os.fsencode(path)) < 100:
-        sock.connect(path)
+        act(path)
         return
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sock.connect(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+        act(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
     finally:
         os.close(fd)
 

@@ -155,7 +155,7 @@ class LazySession:
         gate = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if self.filled else None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            _bind_in(listener, self.work, SOCKET_NAME)
+            resumegate.at_path(listener.bind, os.path.join(self.work, SOCKET_NAME))
             listener.listen(1)
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -165,7 +165,7 @@ class LazySession:
                 source_args += ["--hold-fd", str(self.hold.lease_fd), "--hold-dir", self.hold.dir]
                 fds.append(self.hold.lease_fd)
             if gate is not None:
-                _bind_in(gate, self.work, resumegate.SOCKET_NAME)
+                resumegate.at_path(gate.bind, os.path.join(self.work, resumegate.SOCKET_NAME))
                 gate.listen(1)
                 source_args += ["--resume-fd", str(gate.fileno())]
                 fds.append(gate.fileno())
@@ -412,19 +412,6 @@ class LazySession:
                 self._close_ctrl()
                 if self._ctrl is not None:
                     self._ctrl.close()
-
-
-def _bind_in(sock: socket.socket, directory: str, name: str) -> None:
-    """Bind a Unix socket to ``directory/name``, a path that may be longer than a socket address holds."""
-    path = os.path.join(directory, name)
-    if len(os.fsencode(path)) < 100:
-        sock.bind(path)
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        sock.bind(f"/proc/self/fd/{fd}/{name}")
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -157,3 +157,24 @@ def test_which_full_restores_go_through_the_page_source(tmp_path: Path, asked: b
         files.append(SimpleNamespace(path="containers/app/predump/1/pages-1.img"))
     record: Any = SimpleNamespace(id="sha256:" + "0" * 64, files=files)
     assert asyncio.run(lazy.filled(asked, record)) is filled
+
+
+def test_a_socket_deeper_than_an_address_holds_is_bound_and_reached_at_its_path(tmp_path: Path) -> None:
+    """A restore plan's directory may be deeper than a Unix socket address (108 bytes) holds: the page
+    source's sockets are bound there and the gate reaches them there, both through `at_path`."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = str(deep / resumegate.SOCKET_NAME)
+    assert len(os.fsencode(path)) > 108
+    before = set(os.listdir("/proc/self/fd"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        resumegate.at_path(server.bind, path)
+        server.listen(1)
+        assert os.path.exists(path)
+        resumegate.at_path(client.connect, path)
+        conn, _ = server.accept()
+        with conn:
+            client.sendall(b"ok")
+            assert conn.recv(2) == b"ok"
+    assert set(os.listdir("/proc/self/fd")) <= before  # the directory's descriptor is closed again
