@@ -479,22 +479,24 @@ class Columns:
         node, origin = self.cluster.targets["b"], self.cluster.reg
         self.cluster.fresh(node)
         scratch = os.path.join(os.path.dirname(node.b.store), f".store-cost-{label}")
-        store = {"cpu_s": store_cost(self.model.blobs, scratch)}
-        get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
-        get.update(self._cpu(get.pop("m0"), get["s"]))
-        self.cluster.settle()
-        assert self.cluster.cache is not None, "the fan-out made the cache"
-        cache_get = get_bound(self.cluster.cache, CKPT_REPO, self.model.blobs, self.cluster.connections,
-                              self.timeout)
-        cache_get.update(self._cpu(cache_get.pop("m0"), cache_get["s"]))
-        self.cluster.settle()
-        self.cluster.point(node, None)
-        try:
-            result, m0, took = transfer(node, "Pull", pb.PullRequest(reference=self.model.ckpt_ref,
-                                                                     credentials=PLAIN), self.timeout)
+        try:  # the scratch blobs are deleted as B's store is emptied, or on any failure before
+            store = {"cpu_s": store_cost(self.model.blobs, scratch)}
+            get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
+            get.update(self._cpu(get.pop("m0"), get["s"]))
+            self.cluster.settle()
+            assert self.cluster.cache is not None, "the fan-out made the cache"
+            cache_get = get_bound(self.cluster.cache, CKPT_REPO, self.model.blobs, self.cluster.connections,
+                                  self.timeout)
+            cache_get.update(self._cpu(cache_get.pop("m0"), cache_get["s"]))
+            self.cluster.settle()
+            self.cluster.point(node, None)
+            try:
+                result, m0, took = transfer(node, "Pull", pb.PullRequest(reference=self.model.ckpt_ref,
+                                                                         credentials=PLAIN), self.timeout)
+            finally:
+                self.cluster.point(node, self.cluster.cache)
         finally:
-            self.cluster.point(node, self.cluster.cache)
-            shutil.rmtree(scratch, ignore_errors=True)  # deleted as B's store is emptied
+            shutil.rmtree(scratch, ignore_errors=True)
         if result.checkpoint_id != self.model.ckpt:
             raise BenchError(f"pull of {self.model.ckpt_ref} on B gave {result.checkpoint_id}")
         pull = {"s": round(took, 4), "bytes": int(result.bytes_transferred), "blobs": int(result.blobs_transferred),
