@@ -19,6 +19,12 @@ asks the page source over ``work/resume.socket`` and waits:
   to let go of them and fails the restore, and the wrapper reports the
   reason.
 
+The same line protocol (``ok``, or ``failed <reason>``) answers the
+wrapper of every restore through the page source, lazy or filled, before it
+runs CRIU: on ``work/memory.socket`` it asks the agent to write the memory
+CRIU places itself into the plan (`node_agent.lazy.staging`), which holds
+none of it until then.
+
 Standard library only: CRIU runs it as a plain program.
 """
 
@@ -32,6 +38,7 @@ import time
 from collections.abc import Callable
 
 SOCKET_NAME = "resume.socket"
+MEMORY_SOCKET_NAME = "memory.socket"
 FAILED_NAME = "resume.failed"
 SCRIPT_NAME = "resume-gate"
 ACTION = "pre-resume"
@@ -48,8 +55,8 @@ def script(python: str, work: str) -> str:
             f"exec {shlex.quote(python)} -I -m criu_bridge.resumegate {shlex.quote(work)}\n")
 
 
-def ask(path: str) -> str:
-    """The page source's verdict: "ok", or why the processes must not run."""
+def ask(path: str, ended: str = "the page source ended before every page was in") -> str:
+    """The verdict on ``path``: "ok", or why not (`ended` when the other end closed it without a word)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     buf = b""
     try:
@@ -66,7 +73,7 @@ def ask(path: str) -> str:
     line = buf.decode("utf-8", errors="replace").strip()
     if line == "ok":
         return line
-    return line.removeprefix("failed ").strip() or "the page source ended before every page was in"
+    return line.removeprefix("failed ").strip() or ended
 
 
 def at_path(act: Callable[[str], None], path: str) -> None:

@@ -257,6 +257,11 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     lazy = plan.get("lazy") is True
     if lazy:
         problem = _lazy_problem(plan_dir, work)
+        if not problem and plan.get("memory_at_start") is True:
+            # The plan holds no memory until now: the agent writes what CRIU places itself.
+            verdict = resumegate.ask(os.path.join(work, resumegate.MEMORY_SOCKET_NAME),
+                                     "the agent ended the restore before it wrote the memory CRIU places itself")
+            problem = "" if verdict == "ok" else verdict
         if problem:
             msg = f"restore of {where}, phase lazy-pages: {problem}"
             _fail(call, plan_dir, msg)

@@ -46,7 +46,7 @@ from node_agent.interop import imagefacts
 from node_agent.journal import Entry, Journal
 from node_agent.lazy import pagemap
 from node_agent.lazy.restores import LazyRestores
-from node_agent.lazy.staging import lazy_pages_files, write_sparse_pages
+from node_agent.lazy.staging import Memory, read_memory
 from node_agent.metrics import Metrics, instrumented
 from node_agent.podformat import SavedPod, check_name, load_saved
 from node_agent.progress import Progress, ProgressFn, no_progress
@@ -217,30 +217,31 @@ class Restorer:
         return result
 
     def unpack(self, record: CheckpointRecord, staging: str, source: Store | None = None, lazy: bool = False, *,
-               containers: Collection[str] | None = None, devshm: bool = True) -> None:
+               containers: Collection[str] | None = None, devshm: bool = True) -> dict[str, Memory]:
         """Read and verify the files the restore needs into ``staging``.
 
-        Lazily, the memory that can come on demand stays in the store: each
-        such pages file is written sparse, with only its other pages in it.
+        Paged (``lazy``: lazily, or in full through the page source), the
+        pages files are left out: what CRIU places itself is returned, read
+        and verified, by container, to be written when it starts (`staging`).
         ``containers`` (every one when None) names whose files come, and
         ``devshm`` whether the pod's /dev/shm does. A chunk a pull left in
         the registry is fetched from there (`store.origins`), verified alike.
         """
         store = source or self.store
         try:
-            sparse = lazy_pages_files(store, record, containers) if lazy else {}
+            memory = read_memory(store, record, containers) if lazy else {}
             prefixes = ([podformat.CONTAINERS_DIR] if containers is None
                         else [podformat.container_dir(c) for c in containers])
             for prefix in prefixes:
-                store.materialize(record, staging, prefix=prefix, exclude=set(sparse))
-            for path, pm in sparse.items():
-                write_sparse_pages(store, record, staging, path, pm)
+                store.materialize(record, staging, prefix=prefix, exclude={f.path for m in memory.values()
+                                                                            for f in m.files})
             if devshm and any(f.path == podformat.POD_DEVSHM for f in record.files):
                 store.materialize(record, staging, prefix=podformat.POD_DEVSHM)
         except errors.DataLoss as exc:
             raise errors.DataLoss(f"checkpoint {record.id} failed verification, not restoring it: {exc}") from exc
         except pagemap.PagemapError as exc:
             raise errors.DataLoss(f"checkpoint {record.id}: unusable memory image: {exc}") from exc
+        return memory
 
     async def admit(self, record: CheckpointRecord, saved: SavedPod, namespace: str, where: str,
                     source: Store | None = None) -> str:
@@ -331,7 +332,9 @@ class Restorer:
             with open(os.path.join(plan_dir, LOCKS_FILE), "w", encoding="utf-8") as fh:
                 json.dump(wanted, fh)
         plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options),
-                "lazy": lazy, "filled": lazy and filled, "nonce": nonce}
+                "lazy": lazy, "filled": lazy and filled, "nonce": nonce,
+                # The pages files are not here: the wrapper asks the page source to write them, before CRIU runs.
+                "memory_at_start": lazy}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(plan, fh)
@@ -370,6 +373,7 @@ class RestoreRun:
     staging: str
     lazy: bool  # the memory comes while the processes run
     filled: bool  # full, but through the page source: the processes resume once every page is in
+    memory: dict[str, Memory]  # paged: by container, its memory until its page source takes it
 
     @property
     def paged(self) -> bool:
@@ -470,7 +474,7 @@ class RestoreRun:
             svc.journal.write(entry)
             self.phase = "verify"
             self.progress(Progress("verify", message=record.id))
-            await unpack
+            self.memory = await unpack
             await devshm.restore(svc.cri, staging, self.pod_id, where)
             await self.create_containers()
             if req.start:
@@ -505,7 +509,7 @@ class RestoreRun:
             if self.paged:
                 await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
                                      callers=req.source is not None, exists=container_exists(svc.cri, cid),
-                                     filled=self.filled)
+                                     filled=self.filled, memory=self.memory.pop(cname, None))
             self.created.append((cname, cid, nonce))
             self.progress(Progress("create", i + 1, len(saved.containers), message=cname))
 

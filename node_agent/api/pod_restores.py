@@ -314,8 +314,8 @@ class PodRestores:
             await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
             os.makedirs(staging, mode=0o700)
             # Cut off (the kubelet's deadline), the reading ends before its staging is removed.
-            await thread_to_the_end(restorer.unpack, record, staging, lazy=st.lazy, containers=(name,),
-                                    devshm=st.devshm)
+            memory = await thread_to_the_end(restorer.unpack, record, staging, lazy=st.lazy, containers=(name,),
+                                             devshm=st.devshm)
             if st.devshm:
                 await devshm.restore(restorer.cri, staging, st.sandbox_id, st.pod)
                 st.devshm = False
@@ -338,7 +338,7 @@ class PodRestores:
             )
             if st.lazy:
                 await restorer.lazy.start(st.op, self.store, record, st.pod, name, cid, plan_dir, callers=False,
-                                          exists=container_exists(restorer.cri, cid))
+                                          exists=container_exists(restorer.cri, cid), memory=memory.pop(name, None))
                 restorer.lazy.done(st.op)  # its page source goes on by itself
             else:
                 await asyncio.to_thread(self._settle, record.id)

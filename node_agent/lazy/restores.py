@@ -40,6 +40,7 @@ from node_agent.config.schema import Settings
 from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE
+from node_agent.lazy.staging import Memory
 from node_agent.lazy.support import lazy_restore_support
 from node_agent.replicas import ReplicaState, Replicas, sibling_reason
 from node_agent.store import CheckpointRecord, Store
@@ -129,9 +130,11 @@ class LazyRestores:
     async def start(
         self, op_id: str, store: Store, record: CheckpointRecord, where: str, cname: str, container_id: str,
         plan_dir: str, *, callers: bool, exists: Callable[[], Awaitable[bool | None]], filled: bool = False,
+        memory: Memory | None = None,
     ) -> None:
         """Start the helpers of one container whose plan is written; `callers`: `store` is a caller's;
-        `filled`: a full restore through the page source (`filled`)."""
+        `filled`: a full restore through the page source (`filled`); `memory`: what CRIU places itself,
+        as the restore read it (`staging`), written into the plan when the wrapper asks."""
         origin, passwords = _remote_access(store, record.id)
         # The page source holds the blobs it serves until its pages are
         # in: a hold in our store, or links to a caller's checkpoint.
@@ -146,7 +149,8 @@ class LazyRestores:
                               origin=origin, passwords=passwords, hold=hold,
                               private_store=private is not None, exists=exists,
                               seal_key=seal_key, sandbox=replica.sandbox if replica is not None else "",
-                              pod_failed=self._pod_failed, filled=filled)
+                              pod_failed=self._pod_failed, filled=filled,
+                              memory=memory if memory is not None else Memory(store, record))
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)

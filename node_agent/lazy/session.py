@@ -5,7 +5,9 @@ before StartContainer:
 
 1. a listening Unix socket, ``work/lazy-pages.socket`` in the plan, where
    the restore (run by the wrapper at StartContainer) will connect and hand
-   over the processes' userfaultfds;
+   over the processes' userfaultfds; and ``work/memory.socket``, served by
+   the session itself, where the wrapper asks first for the memory CRIU
+   places itself (`staging`: held here, the plan holds none until then);
 2. the page source (`node_agent.lazy.source`), a separate process that
    takes that socket and fills the processes' memory from the store;
 3. for a full restore through the page source (`filled`), a second
@@ -51,7 +53,8 @@ from node_agent.cancelling import cancel_and_wait
 from node_agent.config.schema import Settings
 from node_agent.lazy.fault_handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
-from node_agent.lazy.source import DONE_FILE, FAILED_FILE
+from node_agent.lazy.source import DONE_FILE, FAILED_FILE, peer_is_root
+from node_agent.lazy.staging import Memory
 from node_agent.store.ingest import Ingest
 from node_agent.store.sealing import SealKey
 
@@ -101,11 +104,15 @@ class LazySession:
     # A full restore through the page source: the processes resume only once every page is in (the source
     # answers the restore's pre-resume gate, criu_bridge.resumegate, on its own socket in the plan).
     filled: bool = False
+    # The memory CRIU places itself, held until the wrapper asks for it on ``work/memory.socket`` just
+    # before CRIU runs: then written into the plan's images (`staging`), whose pages files are not there.
+    memory: Memory | None = None
     # (pages in, pages in all) as the source last reported them.
     progress: tuple[int, int] | None = None
     started_at: float = field(default_factory=time.monotonic)
     outcome: Outcome | None = None
     _source: asyncio.subprocess.Process | None = None
+    _memory_server: asyncio.Server | None = None
     _ctrl: socket.socket | None = None
     _held: list[int] = field(default_factory=list)  # duplicates of the processes' userfaultfds
     _task: asyncio.Task[None] | None = None
@@ -149,14 +156,22 @@ class LazySession:
         return os.path.join(self.plan_dir, "images")
 
     async def start(self) -> None:
-        """Start the page source; return once the socket the restore connects to listens."""
+        """Start the page source and serve the wrapper's request for the memory; return once the sockets
+        the restore reaches listen."""
         os.makedirs(self.work, mode=0o700, exist_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        asked = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        memory: socket.socket | None = asked
         gate = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if self.filled else None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             resumegate.at_path(listener.bind, os.path.join(self.work, SOCKET_NAME))
             listener.listen(1)
+            resumegate.at_path(asked.bind, os.path.join(self.work, resumegate.MEMORY_SOCKET_NAME))
+            asked.listen(1)
+            asked.setblocking(False)
+            self._memory_server = await asyncio.start_unix_server(self._serve_memory, sock=asked)
+            memory = None  # the server's now
             errlog = os.open(os.path.join(self.work, "page-source.log"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             source_args: list[str] = ["--private-store"] if self.private_store else []
@@ -188,14 +203,16 @@ class LazySession:
             if self.hold is not None:
                 self.hold.detach()  # the source holds it now
         except BaseException:
-            _unlink(os.path.join(self.work, SOCKET_NAME))
-            _unlink(os.path.join(self.work, resumegate.SOCKET_NAME))
+            self._stop_memory()
+            self._remove_sockets()
             if self.hold is not None:
                 self.hold.release()
             ours.close()
             raise
         finally:
             listener.close()
+            if memory is not None:
+                memory.close()
             if gate is not None:
                 gate.close()
             theirs.close()
@@ -214,6 +231,46 @@ class LazySession:
         log.info("restore of pod %s, container %s: page source ready, waiting for the restored "
                  "process (StartContainer, within %gs)", self.pod, self.container, self.settings.timeouts.lazy_start,
                  extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+
+    async def _serve_memory(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The wrapper asks, just before CRIU runs: the memory CRIU places itself goes into the plan, then
+        ``ok``; or ``failed <reason>``. Once: the socket goes with the first request from root."""
+        try:
+            ok, who = peer_is_root(writer.get_extra_info("socket"))
+            if not ok:
+                log.warning("%s: refused a request for the memory from %s: not root", self.where, who)
+                return
+            memory, self.memory = self.memory, None
+            self._stop_memory()
+            try:
+                if memory is None:
+                    raise RuntimeError("the memory was asked for already, or its restore ended")
+                took = time.monotonic()
+                written = await asyncio.to_thread(memory.write, self.images)
+                log.debug("%s: wrote the %d bytes of memory CRIU places itself in %.3fs", self.where, written,
+                          time.monotonic() - took)
+                answer = "ok"
+            except Exception as exc:  # noqa: BLE001 - every failure is the wrapper's answer
+                answer = f"failed cannot write the memory CRIU places itself: {exc}"
+                log.error("%s: %s", self.where, answer.removeprefix("failed "),
+                          extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
+            writer.write((" ".join(answer.split()) + "\n").encode())
+            await writer.drain()
+        except OSError:
+            pass  # the wrapper went away: its start fails without an answer
+        finally:
+            writer.close()
+
+    def _stop_memory(self) -> None:
+        """No more requests for the memory: the socket goes (a second StartContainer finds none)."""
+        if self._memory_server is not None:
+            self._memory_server.close()
+            self._memory_server = None
+        _unlink(os.path.join(self.work, resumegate.MEMORY_SOCKET_NAME))
+
+    def _remove_sockets(self) -> None:
+        for name in (SOCKET_NAME, resumegate.MEMORY_SOCKET_NAME, resumegate.SOCKET_NAME):
+            _unlink(os.path.join(self.work, name))
 
     async def wait(self) -> Outcome:
         await self._finished.wait()
@@ -345,8 +402,11 @@ class LazySession:
         if self._ctrl is not None:
             self._close_ctrl()
             self._ctrl.close()
-        _unlink(os.path.join(self.work, SOCKET_NAME))
-        _unlink(os.path.join(self.work, resumegate.SOCKET_NAME))
+        self._stop_memory()
+        if self.memory is not None:
+            self.memory.drop()
+            self.memory = None
+        self._remove_sockets()
         self.outcome = outcome
         if outcome.ok:
             shutil.rmtree(self.images, ignore_errors=True)

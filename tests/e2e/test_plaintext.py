@@ -6,8 +6,8 @@ secret is searched for in the whole store (blobs, plans, Pod restores' state, sc
 nowhere:
 - restored and started (lazily, the default): the plan's data goes when the pages are in;
 - restored in full, never started, and its pod removed through containerd itself (not through the
-  agent): its plan holds none of the memory in the clear (it comes through the page source at the
-  start), and the periodic sweep removes the plan;
+  agent): its plan holds none of the memory (the page source writes what CRIU places itself when the
+  container starts, and brings the rest in), and the periodic sweep removes the plan;
 - a restore that fails at start (a forged checkpoint, refused by the image check): nothing stays;
 - restore through a Pod whose container the kubelet does not create yet: nothing is kept in the
   clear between the kubelet's calls; its CreateContainer then reads the checkpoint and restores the
@@ -66,13 +66,14 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
             wait_for(lambda: _found(agent) == [], timeout=60, what="the plan's plaintext to go")
             remove_pod(agent, res["pod_sandbox_id"])
 
-            # Restored in full, never started: the memory waits sealed in the store (the page source brings
-            # it in at the start, before the processes run), so the plan holds none of it in the clear. Its
-            # pod removed through containerd itself: the sweep removes the plan.
+            # Restored in full, never started: the memory waits sealed in the store (at the start the page
+            # source writes what CRIU places itself, then brings the rest in before the processes run), so
+            # the plan holds none of it. Its pod removed through containerd itself: the sweep removes the plan.
             res = _restore(agent, ckpt, "--full")
             made.append(res["pod_sandbox_id"])
             plan = Path(agent.store) / "plans" / res["containers"][0]["container_id"]
             assert (plan / "plan.json").is_file() and _found(agent, "plans") == []
+            assert not list((plan / "images").glob("pages-*.img")), "the plan holds memory before its start"
             remove_pod(agent, res["pod_sandbox_id"])
             wait_for(lambda: not plan.exists(), timeout=30, what="the sweep to remove the plan")
             assert _found(agent) == []
@@ -96,6 +97,7 @@ def test_plaintext_is_gone_after_every_path(agent: Bed, tmp_path: Path) -> None:
             async def create(client: Any) -> str:
                 config = (await client.pod_status(pod.id)).config
                 cid: str = await client.create_container(pod.id, app, dict(config))
+                assert not list((Path(agent.store) / "plans" / cid / "images").glob("pages-*.img"))
                 await client.start_container(cid)
                 return cid
 

@@ -16,7 +16,7 @@ from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import SourceError
 from node_agent.lazy.source import Source
 from node_agent.lazy.spans import Span, Spans
-from node_agent.lazy.staging import lazy_pages_files, write_sparse_pages
+from node_agent.lazy.staging import read_memory
 from node_agent.store import Store
 
 PAGE = pagemap.PAGE_SIZE
@@ -164,22 +164,27 @@ def test_staging_writes_only_the_pages_that_cannot_come_lazily(
 ) -> None:
     store, cid, _ = lazy_checkpoint
     record = store.get(cid)
-    sparse = lazy_pages_files(store, record)
-    assert list(sparse) == ["containers/c/checkpoint/pages-1.img"]
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    store.materialize(cid, staging, prefix="containers", exclude=set(sparse))
-    target = staging / "containers/c/checkpoint/pages-1.img"
-    assert not target.exists() and (staging / "containers/c/checkpoint/core-42.img").read_bytes() == b"core"
-    for path, pm in sparse.items():
-        write_sparse_pages(store, record, str(staging), path, pm)
-    data = target.read_bytes()
     expected = _pages_bytes(307)
-    assert len(data) == len(expected)
-    assert data[: 2 * PAGE] == expected[: 2 * PAGE]
-    assert data[2 * PAGE:] == b"\0" * (305 * PAGE)
-    # Sparse on disk: the lazy part takes no blocks.
-    assert os.stat(target).st_blocks * 512 < 64 * PAGE
+    for budget in (0, 2 * PAGE):  # nothing held (read when written), or the one run of two pages held
+        memory = read_memory(store, record, budget=budget)
+        assert list(memory) == ["c"] and [f.path for f in memory["c"].files] == ["containers/c/checkpoint/pages-1.img"]
+        assert memory["c"].held == budget
+        staging = tmp_path / f"staging-{budget}"
+        staging.mkdir()
+        store.materialize(cid, staging, prefix="containers", exclude={"containers/c/checkpoint/pages-1.img"})
+        images = staging / "containers/c/checkpoint"
+        assert not (images / "pages-1.img").exists() and (images / "core-42.img").read_bytes() == b"core"
+        # Written when the container starts, into its plan's images.
+        assert memory["c"].write(str(images)) == 2 * PAGE and memory["c"].held == 0
+        target = images / "pages-1.img"
+        data = target.read_bytes()
+        assert len(data) == len(expected)
+        assert data[: 2 * PAGE] == expected[: 2 * PAGE]
+        assert data[2 * PAGE:] == b"\0" * (305 * PAGE)
+        # Sparse on disk: the lazy part takes no blocks.
+        assert os.stat(target).st_blocks * 512 < 64 * PAGE
+        with pytest.raises(FileExistsError):  # written once
+            memory["c"].write(str(images))
 
 
 def test_background_priority_lowers_the_process_and_its_session() -> None:

@@ -32,10 +32,12 @@ from typing import Any
 
 import pytest
 
+from criu_bridge import resumegate
 from node_agent.config.loading import from_mapping
 from node_agent.errors import DataLoss, Unavailable
 from node_agent.lazy.restores import LazyRestores
 from node_agent.lazy.session import LazySession
+from node_agent.lazy.staging import read_memory
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replica, Replicas, now_rfc3339
 from node_agent.store import Store
@@ -428,12 +430,18 @@ class Pod:
         async def exists() -> bool:
             return True
 
-        await self.lazy.start("op", self.store, self.store.get(checkpoint), "ns/web", name, self.cid(name),
-                              str(self.plan(name)), callers=False, exists=exists)
+        record = self.store.get(checkpoint)
+        memory = read_memory(self.store, record, (name,))[name]
+        await self.lazy.start("op", self.store, record, "ns/web", name, self.cid(name),
+                              str(self.plan(name)), callers=False, exists=exists, memory=memory)
         return next(s for s in self.lazy._by_op["op"] if s.container == name)
 
-    def connect(self, name: str) -> None:
-        assert self.ask(name, f"connect {self.plan(name) / 'work' / 'lazy-pages.socket'}") == "ok"
+    async def connect(self, name: str) -> None:
+        """As the wrapper and CRIU do at StartContainer: the memory CRIU places itself first, then the restore."""
+        work = self.plan(name) / "work"
+        assert await asyncio.to_thread(resumegate.ask, str(work / resumegate.MEMORY_SOCKET_NAME)) == "ok"
+        assert (self.plan(name) / "images" / "pages-1.img").stat().st_size == PAGES * PAGE
+        assert self.ask(name, f"connect {work / 'lazy-pages.socket'}") == "ok"
 
     def ask(self, name: str, line: str) -> str:
         proc = self.procs[name]
@@ -505,7 +513,7 @@ async def test_a_chunk_that_fails_verification_stops_the_whole_pod(pod: Pod) -> 
     late = pod.record("late", ckpt, True)
     session = await pod.start("app", ckpt)
     waiting = await pod.start("late", ckpt)
-    pod.connect("app")
+    await pod.connect("app")
     async with asyncio.timeout(60):
         outcome = await session.wait()
         assert await pod.dead("app") == -9 and await pod.dead("sidecar") == -9
@@ -541,7 +549,7 @@ async def test_a_page_source_whose_agent_is_gone_stops_the_pod_itself(pod: Pod) 
     source = session._source
     assert source is not None
     await session.detach()  # the agent's end of the control socket closes, as when the agent is killed
-    pod.connect("app")
+    await pod.connect("app")
     async with asyncio.timeout(60):
         assert await source.wait() == 1
         assert await pod.dead("app") == -9 and await pod.dead("sidecar") == -9
@@ -564,7 +572,7 @@ async def test_a_page_source_whose_agent_is_gone_writes_the_outcome_and_settles_
     source = session._source
     assert source is not None
     await session.detach()
-    pod.connect("app")
+    await pod.connect("app")
     assert pod.ask("app", f"hash 0 {PAGES}") == hashlib.sha256(memory).hexdigest()
     async with asyncio.timeout(60):
         assert await source.wait() == 0

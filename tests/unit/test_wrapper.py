@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from criu_bridge import privileges, wrapper
+from criu_bridge import privileges, resumegate, wrapper
 from criu_bridge.wrapper import Call
 from tests.unit.criu_images import Checkpoint, core, creds, spec
 
@@ -221,6 +223,47 @@ def test_a_lazy_plan_without_its_page_source_fails_clearly(env: dict[str, Path],
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
     assert "ns/p" in msg and "container app" in msg and "phase lazy-pages" in msg
     assert ("blob sha256:0f missing" in msg) if failed else ("page source for this container is gone" in msg)
+
+
+@pytest.mark.parametrize("answer", ["ok", "failed checkpoint x: pages-1.img at offset 0: digest mismatch", ""])
+def test_a_paged_plan_asks_its_page_source_for_the_memory_before_criu_runs(env: dict[str, Path], answer: str) -> None:
+    d = _lazy_plan(env)
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "memory_at_start": True}))
+    (d / "work").mkdir()
+    (d / "work" / "lazy-pages.socket").write_text("")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    resumegate.at_path(listener.bind, str(d / "work" / resumegate.MEMORY_SOCKET_NAME))
+    listener.listen(1)
+    asked: list[bool] = []
+
+    def source() -> None:  # the page source: one request, answered once the pages file is written
+        conn, _ = listener.accept()
+        with conn:
+            asked.append(not env["record"].exists())  # before runc runs
+            if answer == "ok":
+                (d / "images" / "pages-1.img").write_bytes(b"")
+            if answer:
+                conn.sendall(answer.encode() + b"\n")
+
+    thread = threading.Thread(target=source)
+    thread.start()
+    log = env["tmp"] / "log.json"
+    try:
+        r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+                 str(env["bundle"]), CID)
+    finally:
+        thread.join(30)
+        listener.close()
+    assert asked == [True]
+    if answer == "ok":
+        assert r.returncode == 0, r.stderr
+        assert "--lazy-pages" in _argv(env)
+        return
+    assert r.returncode != 0 and not env["record"].exists()
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert "container app" in msg and "phase lazy-pages" in msg
+    assert ("digest mismatch" in msg) if answer else ("before it wrote the memory" in msg)
 
 
 def _spec_with_mark(env: dict[str, Path], nonce: str) -> None:
