@@ -55,8 +55,9 @@ def script(python: str, work: str) -> str:
             f"exec {shlex.quote(python)} -I -m criu_bridge.resumegate {shlex.quote(work)}\n")
 
 
-def ask(path: str, ended: str = "the page source ended before every page was in") -> str:
-    """The verdict on ``path``: "ok", or why not (`ended` when the other end closed it without a word)."""
+def ask(path: str, ended: str = "the page source ended before every page was in",
+        peer: str = "the page source") -> str:
+    """The verdict on ``path``: "ok", or why not (`ended` when `peer` closed it without a word)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     buf = b""
     try:
@@ -67,7 +68,7 @@ def ask(path: str, ended: str = "the page source ended before every page was in"
                 break
             buf += got
     except OSError as exc:
-        return f"the page source cannot be reached ({exc.strerror or exc}); it failed or is gone"
+        return f"{peer} cannot be reached ({exc.strerror or exc}); it failed or is gone"
     finally:
         sock.close()
     line = buf.decode("utf-8", errors="replace").strip()

@@ -260,7 +260,8 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
         if not problem and plan.get("memory_at_start") is True:
             # The plan holds no memory until now: the agent writes what CRIU places itself.
             verdict = resumegate.ask(os.path.join(work, resumegate.MEMORY_SOCKET_NAME),
-                                     "the agent ended the restore before it wrote the memory CRIU places itself")
+                                     "the agent ended the restore before it wrote the memory CRIU places itself",
+                                     "the agent that holds this container's memory until it starts")
             problem = "" if verdict == "ok" else verdict
         if problem:
             msg = f"restore of {where}, phase lazy-pages: {problem}"

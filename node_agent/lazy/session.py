@@ -269,7 +269,7 @@ class LazySession:
         _unlink(os.path.join(self.work, resumegate.MEMORY_SOCKET_NAME))
 
     def _remove_sockets(self) -> None:
-        for name in (SOCKET_NAME, resumegate.MEMORY_SOCKET_NAME, resumegate.SOCKET_NAME):
+        for name in (SOCKET_NAME, resumegate.SOCKET_NAME):  # the memory's goes with its server (`_stop_memory`)
             _unlink(os.path.join(self.work, name))
 
     async def wait(self) -> Outcome:
@@ -403,9 +403,7 @@ class LazySession:
             self._close_ctrl()
             self._ctrl.close()
         self._stop_memory()
-        if self.memory is not None:
-            self.memory.drop()
-            self.memory = None
+        self.memory = None  # not asked for: let go
         self._remove_sockets()
         self.outcome = outcome
         if outcome.ok:

@@ -63,10 +63,6 @@ class Memory:
             f.held.clear()
         return written
 
-    def drop(self) -> None:
-        for f in self.files:
-            f.held.clear()
-
 
 def read_memory(store: Store, record: CheckpointRecord, containers: Collection[str] | None = None,
                 budget: int = HELD_BYTES) -> dict[str, Memory]:
