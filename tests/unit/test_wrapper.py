@@ -266,6 +266,20 @@ def test_a_paged_plan_asks_its_page_source_for_the_memory_before_criu_runs(env: 
     assert ("digest mismatch" in msg) if answer else ("before it wrote the memory" in msg)
 
 
+def test_a_paged_plan_whose_agent_is_gone_fails_naming_the_agent(env: dict[str, Path]) -> None:
+    d = _lazy_plan(env)
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "memory_at_start": True}))
+    (d / "work").mkdir()
+    (d / "work" / "lazy-pages.socket").write_text("")  # the page source's socket is there, nobody serves the memory
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+             str(env["bundle"]), CID)
+    assert r.returncode != 0 and not env["record"].exists()
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert "phase lazy-pages" in msg and "the agent that holds this container's memory" in msg
+
+
 def _spec_with_mark(env: dict[str, Path], nonce: str) -> None:
     (env["bundle"] / "config.json").write_text(json.dumps(
         {**spec(), "root": {"path": "rootfs"}, "annotations": {wrapper.PLAN_ANNOTATION: nonce, "other": "x"}}))
