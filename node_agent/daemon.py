@@ -135,6 +135,7 @@ async def start_devices(s: Settings, metrics: Metrics) -> DeviceMonitor | None:
     log.info("device monitor for node %s: sysfs %s, DeviceTaintRules %s", monitor.node, s.sysfs_root, status,
              extra={"phase": "devices"})
     metrics.device_health = monitor.counts
+    metrics.device_taints = monitor.tainted
     monitor.start()
     return monitor
 
@@ -182,6 +183,8 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
             log.warning("recovered %d unfinished operation(s)", n)
         metrics = Metrics()
         metrics.store_size = store.usage
+        metrics.store_free = store.free_bytes
+        metrics.min_free_bytes = s.min_free_bytes
         checkpointer = Checkpointer(s, cri, store, journal, criu, metrics, keys=keys, undoer=undoer)
         rekeyer = Rekeyer(s, store, keys)
         restorer = Restorer(s, cri, store, journal, criu, metrics, undoer=undoer)

@@ -4,8 +4,8 @@
 own (never the library's global one), beside the library's process and
 platform collectors (`process_*`: memory, open fds, CPU; `python_info`). The
 checkpointer and restorer report into it through `instrumented` and
-`observe_ingest`; the store's size and the devices by health are gauges
-computed at scrape time from callbacks. The exposition is the text format
+`observe_ingest`; the store's size and free space, the devices by health
+and the devices tainted are gauges computed at scrape time from callbacks. The exposition is the text format
 0.0.4 without `_created` series. `serve_metrics` answers `GET /metrics` on a
 TCP port from the agent's event loop, so it closes with the other listeners.
 Observing does no I/O; rendering runs the callbacks (the store's size walks
@@ -35,6 +35,7 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 # Seconds a pod stays frozen.
 FROZEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DEVICE_HEALTH = ("healthy", "degraded", "unhealthy", "unmonitored")
+TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 
 
 class Metrics:
@@ -72,7 +73,12 @@ class Metrics:
         # Measuring the store walks its blobs: at most once per this many seconds.
         self.store_size_ttl = 10.0
         self._size: tuple[float, int] | None = None
+        # The free space on the store's filesystem, and the floor the agent keeps free there (`min-free-bytes`).
+        self.store_free: Callable[[], int] | None = None
+        self.min_free_bytes: int | None = None
         self.device_health: Callable[[], Mapping[str, int]] = lambda: {h: 0 for h in DEVICE_HEALTH}
+        # Devices the agent taints (DeviceTaintRules), by the strongest effect of their taints.
+        self.device_taints: Callable[[], Mapping[str, int]] = lambda: {e: 0 for e in TAINT_EFFECTS}
         r.register(_Gauges(self))
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -135,7 +141,8 @@ class Metrics:
 
 
 class _Gauges:
-    """The gauges computed at scrape time: the store's size (left out when unknown), devices by health."""
+    """The gauges computed at scrape time: the store's size and free space (each left out when unknown), the
+    floor kept free, devices by health and devices tainted."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -144,10 +151,33 @@ class _Gauges:
         size = self.metrics.measured_store_size()
         if size is not None:
             yield GaugeMetricFamily("node_agent_store_size_bytes", "Bytes used by the store's blobs.", value=size)
+        free = self._free()
+        if free is not None:
+            yield GaugeMetricFamily("node_agent_store_free_bytes",
+                                    "Bytes free to the agent on the store's filesystem.", value=free)
+        if self.metrics.min_free_bytes is not None:
+            yield GaugeMetricFamily("node_agent_store_min_free_bytes",
+                                    "Bytes every checkpoint and pull leaves free on the store's filesystem "
+                                    "(min-free-bytes).", value=self.metrics.min_free_bytes)
         devices = GaugeMetricFamily("node_agent_devices", "Devices by health.", labels=("health",))
         for health, n in sorted(dict(self.metrics.device_health()).items()):
             devices.add_metric((health,), n)
         yield devices
+        tainted = GaugeMetricFamily("node_agent_devices_tainted",
+                                    "Devices the agent taints, by the strongest effect of their taints.",
+                                    labels=("effect",))
+        for effect, n in sorted(dict(self.metrics.device_taints()).items()):
+            tainted.add_metric((effect,), n)
+        yield tainted
+
+    def _free(self) -> int | None:
+        if self.metrics.store_free is None:
+            return None
+        try:
+            return self.metrics.store_free()
+        except Exception as exc:  # noqa: BLE001 - a scrape shows what it can
+            log.warning("cannot measure the store's free space for metrics: %s", exc)
+            return None
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -182,7 +182,7 @@ class PodRestores:
             await runtime_handler.require(self.checkpointer.cri, self.settings, self.settings.runtime_handler, "")
             lazy = await self.restorer.lazy.wanted(None, record)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            await abort_with(context, _for_pod(exc, where, ref))
+            await self._refuse(context, exc, where, ref)
             raise  # not reached
         # The kubelet's request, byte for byte, with the restore handler appended
         # (a later occurrence of a scalar field wins when protobuf parses).
@@ -198,7 +198,7 @@ class PodRestores:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             shutil.rmtree(st.dir, ignore_errors=True)
             await asyncio.shield(asyncio.ensure_future(self.restorer.undoer.remove_sandbox(pod_id, where)))
-            await abort_with(context, _for_pod(exc, where, ref))
+            await self._refuse(context, exc, where, ref)
         self.restores[pod_id] = st
         log.info("pod %s: sandbox %s made to restore checkpoint %s%s", where, pod_id[:13], record.id,
                  " (lazily)" if lazy else "", extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
@@ -321,7 +321,7 @@ class PodRestores:
                 st.devshm = False
                 st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+            await self._refuse(context, exc, st.pod, st.checkpoint)
             raise  # not reached
         # The kubelet's request, with the plan's mark appended (map
         # entries of a later occurrence are merged in when protobuf parses).
@@ -351,11 +351,18 @@ class PodRestores:
                 await self.checkpointer.cri.remove_container(cid)
             except errors.AgentError as rm_exc:
                 log.error("cannot remove container %s of a failed restore: %s", cid[:13], rm_exc)
-            await abort_with(context, _for_pod(exc, st.pod, st.checkpoint))
+            await self._refuse(context, exc, st.pod, st.checkpoint)
         log.info("pod %s: container %s (%s) will restore from checkpoint %s%s", st.pod, name, cid[:13], st.checkpoint,
                  " (lazily)" if st.lazy else "",
                  extra={"pod": st.pod, "container": name, "checkpoint": st.checkpoint, "phase": "create"})
         return resp_raw
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, exc: BaseException, where: str, ref: str) -> None:
+        """The kubelet's call fails: counted (`node_agent_failures_total{operation="pod-restore"}`) and answered
+        with the pod and the checkpoint named."""
+        failed = _for_pod(exc, where, ref)
+        self.restorer.metrics.observe_failure("pod-restore", failed)
+        await abort_with(context, failed)
 
     def _settle(self, checkpoint_id: str) -> None:
         """A pulled checkpoint whose last blobs a restore just fetched from the registry is whole in the store now."""

@@ -29,7 +29,7 @@ from node_agent.devices.health import HealthModel
 from node_agent.devices.kube import KubeClient, from_kubeconfig, in_cluster
 from node_agent.devices.nvml import Nvml
 from node_agent.devices.ratelimit import TokenBucket
-from node_agent.devices.taints import TaintWriter, desired_rules
+from node_agent.devices.taints import EFFECTS, TaintWriter, desired_rules
 from node_agent.devices.types import STATES, DeviceReport, GpuScan, PciDevice, Snapshot
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,17 @@ class DeviceMonitor:
         out = {s: 0 for s in STATES}
         for rep in self._snapshot.devices:
             out[rep.health.state] = out.get(rep.health.state, 0) + 1
+        return out
+
+    def tainted(self) -> dict[str, int]:
+        """Devices the agent taints, each counted once, under the strongest effect of its taints."""
+        strongest: dict[str, int] = {}
+        for rule in self._snapshot.rules:
+            rank = EFFECTS.index(rule.effect) if rule.effect in EFFECTS else 0
+            strongest[rule.bdf] = max(rank, strongest.get(rule.bdf, 0))
+        out = {e: 0 for e in EFFECTS}
+        for rank in strongest.values():
+            out[EFFECTS[rank]] += 1
         return out
 
     async def watch(self) -> AsyncIterator[Snapshot]:

@@ -11,6 +11,8 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2 as pb
 from node_agent._proto.nodeagent.v1 import nodeagent_pb2_grpc as pb_grpc
+from tests.monitoring_kit import dashboard_queries, rule_groups, series_names
 from tests.socket_probe import probe
 from testbed.bed import NODE_AGENT, SHELL_COUNTER, Bed, container_config, make_pod, remove_pod
 from tests.pki import Leaf, Pki
@@ -232,3 +235,113 @@ def test_health_reflection_and_metrics_after_a_checkpoint(listening: Listening) 
     # Devices by health state: this machine's real PCI devices are counted.
     for state in ("healthy", "degraded", "unhealthy", "unmonitored"):
         assert count(after, "node_agent_devices", health=state).is_integer(), state
+
+
+class Prometheus:
+    """Debian's prometheus on loopback, scraping the agent as deploy/monitoring/'s PodMonitor has it (job
+    "node-agent", the node's name), every second, with the kit's alert rules loaded."""
+
+    def __init__(self, root: Path, metrics_port: int, node: str) -> None:
+        self.port = free_port()
+        (root / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups()}))
+        (root / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(root / "rules.yaml")],
+            "scrape_configs": [{"job_name": "node-agent", "static_configs": [
+                {"targets": [f"127.0.0.1:{metrics_port}"], "labels": {"node": node}}]}],
+        }))
+        self.log = open(root / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=root)
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.loads(r.read())
+        assert doc["status"] == "success", doc
+        return doc["data"]
+
+    def values(self, query: str) -> dict[str, float]:
+        """The query's result now: each series (its labels, as text) and its value."""
+        return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
+                for r in self.api("query", query=query)["result"]}
+
+    def until(self, what: str, check: Any, timeout: float = 60.0) -> Any:
+        """Ask `check()` again (every 0.2 s) until it returns something true; that, or fail naming `what`."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "prometheus ended: " + self.tail()
+            try:
+                last = check()
+            except (OSError, ValueError) as exc:  # not listening yet
+                last = exc
+            else:
+                if last:
+                    return last
+            time.sleep(0.2)
+        raise AssertionError(f"{what}: not within {timeout:g}s (last: {last!r}); prometheus: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def test_prometheus_scrapes_the_agent_and_real_operations_move_the_kits_series_and_alerts(
+        listening: Listening, tmp_path: Path) -> None:
+    node = "bed-node"
+    prom = Prometheus(tmp_path, listening.metrics_port, node)
+    try:
+        prom.until("the agent scraped", lambda: prom.values('up{job="node-agent"}') == {
+            json.dumps({"__name__": "up", "instance": f"127.0.0.1:{listening.metrics_port}", "job": "node-agent",
+                        "node": node}, sort_keys=True): 1.0})
+
+        def total(name: str) -> float:
+            found = prom.values(f'sum({name}{{job="node-agent", node="{node}"}})')
+            return next(iter(found.values())) if found else -1.0
+
+        before = {n: prom.until(n, lambda n=n: total(n) + 1) - 1 for n in (
+            "node_agent_checkpoints_total", "node_agent_checkpoint_frozen_seconds_count")}
+        ctl = listening.pki.client("ctl3", "controller", "URI:spiffe://cluster/ns/ops/sa/checkpointer")
+        pod = shell_pod(listening.bed, "tls-ok")
+        try:
+            cp = listening.cli(ctl, "checkpoint", "tls-ok/" + pod.name, "-o", "json")
+            assert cp.returncode == 0, cp.stderr
+        finally:
+            remove_pod(listening.bed, pod.id)
+        for name, was in before.items():
+            prom.until(f"{name} to count the checkpoint", lambda name=name, was=was: total(name) == was + 1)
+        # A restore of a checkpoint that is not there: a real failure, which the kit's alert reports.
+        cp = subprocess.run([NODE_AGENT, "restore", "sha256:" + "0" * 64, "--socket", listening.socket],
+                            capture_output=True, text=True, timeout=120)
+        assert cp.returncode != 0 and "NOT_FOUND" in cp.stderr, cp.stderr
+
+        def firing() -> list[dict[str, str]]:
+            return [a["labels"] for a in prom.api("alerts")["alerts"]
+                    if a["labels"]["alertname"] == "NodeAgentRestoresFailing" and a["state"] == "firing"]
+
+        assert prom.until("NodeAgentRestoresFailing to fire", firing) == [
+            {"alertname": "NodeAgentRestoresFailing", "node": node, "operation": "restore", "reason": "NOT_FOUND",
+             "severity": "warning"}]
+        down = [a for a in prom.api("alerts")["alerts"] if a["labels"]["alertname"] in ("NodeAgentDown",
+                                                                                        "NodeAgentMissing")]
+        assert down == []
+        # Every series the dashboard reads is there, and every one of its queries runs.
+        for query in dashboard_queries():
+            prom.api("query", query=query.replace("[2m]", "[10s]"))
+            for name in series_names(query):
+                assert prom.values(f'count({name}{{job="node-agent", node="{node}"}})'), (name, query)
+    finally:
+        prom.stop()
+    assert prom.proc.returncode is not None

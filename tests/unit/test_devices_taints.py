@@ -184,15 +184,18 @@ async def test_escalation_happens_only_as_far_as_the_config_allows(tmp_path: Pat
     tree = node_tree(tmp_path / "sys")
     clock = Clock()
     m = monitor(tmp_path, api, clock, max_effect="NoSchedule", escalate_after=60.0)
+    assert m.tainted() == {"None": 0, "NoSchedule": 0, "NoExecute": 0}
     tree.set_temp(GPU, 0, 99)
     for _ in range(3):
         await poll(m, clock)
     [rule] = api.state.rules.values()
     assert rule["spec"]["taint"]["effect"] == "None"
+    assert m.tainted() == {"None": 1, "NoSchedule": 0, "NoExecute": 0}  # the metric the alert reads
     for _ in range(6):
         await poll(m, clock)
     [rule] = api.state.rules.values()
     assert rule["spec"]["taint"]["effect"] == "NoSchedule"
+    assert m.tainted() == {"None": 0, "NoSchedule": 1, "NoExecute": 0}
     put = [w for w in api.state.writes if w.method == "PUT"]
     assert len(put) == 1 and put[0].body["metadata"]["resourceVersion"]
     for _ in range(30):

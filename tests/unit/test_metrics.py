@@ -104,6 +104,27 @@ def test_a_store_that_cannot_be_measured_leaves_the_gauge_out() -> None:
     assert "node_agent_store_size_bytes" not in m.render()
 
 
+def test_the_store_space_and_tainted_devices_are_gauges() -> None:
+    m = Metrics()
+    text = m.render()
+    assert "node_agent_store_free_bytes" not in text and "node_agent_store_min_free_bytes" not in text
+    assert {effect: sample(text, "node_agent_devices_tainted", effect=effect)
+            for effect in ("None", "NoSchedule", "NoExecute")} == {"None": 0, "NoSchedule": 0, "NoExecute": 0}
+    m.store_free = lambda: 5 << 30
+    m.min_free_bytes = 1 << 30
+    m.device_taints = lambda: {"None": 1, "NoSchedule": 2, "NoExecute": 0}
+    text = m.render()
+    assert sample(text, "node_agent_store_free_bytes") == 5 << 30
+    assert sample(text, "node_agent_store_min_free_bytes") == 1 << 30
+    assert sample(text, "node_agent_devices_tainted", effect="NoSchedule") == 2
+
+    def broken() -> int:
+        raise OSError("gone")
+
+    m.store_free = broken
+    assert "node_agent_store_free_bytes " not in m.render()
+
+
 async def test_exporter_serves_prometheus_text() -> None:
     m = Metrics()
     m.observe_ingest(SimpleNamespace(stored_size=10), 4)

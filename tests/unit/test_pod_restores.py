@@ -63,6 +63,9 @@ async def test_a_checkpoint_of_another_namespace_is_answered_as_a_missing_one(no
     assert details == f"restore of pod prod/web2 from {ckpt}: checkpoint {ckpt} is not in this node's store"
     assert details2 == details.replace(ckpt, missing)
     node.assert_nothing_made()
+    # Each refusal is a failed Pod restore in the metrics the alerts read.
+    assert f'node_agent_failures_total{{operation="pod-restore",reason="FAILED_PRECONDITION"}} 2.0' in (
+        node.restorer.metrics.render())
 
 
 async def test_pod_sources_lets_a_named_namespace_in(tmp_path: Path, pki: Pki) -> None:
