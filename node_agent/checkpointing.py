@@ -65,6 +65,9 @@ class CheckpointRequest:
     # The pod, resolved and admitted by the entry path (CRI CheckpointPod, before it
     # touches the caller's directory): neither resolved nor admitted again.
     resolved: Pod | None = None
+    # Who asked, when it is an object the agent answers for (a PodCheckpoint: kind, namespace, name, uid):
+    # kept in the checkpoint's metadata, so that the agent finds its checkpoint again after a restart.
+    requested_by: Mapping[str, str] | None = None
 
 
 def gpu_devices(spec: Mapping[str, Any]) -> list[str]:
@@ -520,7 +523,7 @@ class CheckpointRun:
             "frozen_ms": round(self.frozen_ms, 1),
             "options": self.flags.as_options(),
             "criu_version": criu_version,
-        }
+        } | ({"requested_by": dict(self.req.requested_by)} if self.req.requested_by else {})
 
     def write_config_files(self) -> None:
         def dump(path: str, obj: Any) -> None:

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from criu_bridge import wrapper
 from criu_bridge.rpc import CriuClient
@@ -140,6 +140,49 @@ async def start_devices(s: Settings, metrics: Metrics) -> DeviceMonitor | None:
     return monitor
 
 
+class _Running:
+    """A background service's task and how to stop it."""
+
+    def __init__(self, task: asyncio.Task[None], stop: Callable[[], Awaitable[None]]) -> None:
+        self.task = task
+        self._stop = stop
+
+    async def stop(self) -> None:
+        await self._stop()
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def start_podcheckpoints(s: Settings, checkpointer: Checkpointer, transfers: Transfers, store: Store) -> _Running | None:
+    """The PodCheckpoint controller (docs/podcheckpoints.md), started; None when `podcheckpoints.enabled` is false
+    or there are no cluster credentials (said in the log)."""
+    if not s.podcheckpoints.enabled:
+        return None
+    from node_agent.devices.monitor import node_name
+    from node_agent.kubeapi import KubeClient, from_kubeconfig, in_cluster
+    from node_agent.podcheckpoints.controller import PodCheckpoints
+    from node_agent.podcheckpoints.node import NodeAgent
+
+    try:
+        creds = from_kubeconfig(s.devices.kubeconfig) if s.devices.kubeconfig else in_cluster()
+    except errors.AgentError as exc:
+        log.error("podcheckpoints: %s: not watching PodCheckpoints", exc, extra={"phase": "podcheckpoints"})
+        return None
+    if creds is None:
+        log.error("podcheckpoints: enabled, but no cluster credentials (no devices.kubeconfig, not in a pod): "
+                  "not watching PodCheckpoints", extra={"phase": "podcheckpoints"})
+        return None
+    node = node_name(s.devices.node_name)
+    controller = PodCheckpoints(KubeClient(creds, timeout=s.devices.api_timeout), node,
+                                NodeAgent(s, checkpointer, transfers, store),
+                                resync=s.podcheckpoints.resync_interval,
+                                node_gone_grace=s.podcheckpoints.node_gone_grace)
+    log.info("podcheckpoints: taking the PodCheckpoints of node %s's pods (%s)", node, creds.server,
+             extra={"phase": "podcheckpoints"})
+    return _Running(asyncio.create_task(controller.run(), name="podcheckpoints"), controller.stop)
+
+
 async def serve(s: Settings, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` (SIGTERM or SIGINT when None), holding the store's agent lock throughout.
 
@@ -227,6 +270,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
                                 name="periodic-sweep") if s.retention.plan_sweep_interval > 0 else None
         )
         undo_task = asyncio.create_task(undoer.run(), name="undo-retry")  # pending undos, until done
+        podcheckpoints = start_podcheckpoints(s, checkpointer, transfers, store)
         await stop.wait()
         deadline = time.monotonic() + s.timeouts.cleanup + _SHUTDOWN_MARGIN
         log.info("shutting down: calls in flight get %gs", s.timeouts.cleanup)
@@ -243,6 +287,8 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
             stops.append(cri_listener.stop(grace=s.timeouts.cleanup))
         if devices is not None:
             stops.append(devices.stop())
+        if podcheckpoints is not None:
+            stops.append(podcheckpoints.stop())
         await asyncio.gather(*stops, return_exceptions=True)
         await restorer.shutdown()
         await _settle_tasks(deadline)

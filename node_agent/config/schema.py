@@ -239,6 +239,24 @@ class Signing(_Section, frozen=True):
     key_file: str = ""
 
 
+class PodCheckpointSettings(_Section, frozen=True):
+    """PodCheckpoint objects: checkpoints asked for with kubectl (docs/podcheckpoints.md)."""
+
+    # Watch PodCheckpoints and take those of this node's pods (needs the CRD
+    # and the RBAC of deploy/, and cluster credentials as devices.kubeconfig
+    # finds them: that kubeconfig, else the pod's service account).
+    enabled: bool = False
+    # Registries (`host[:port]`) or repositories (`host[:port]/path`) a
+    # PodCheckpoint may push to, with the node's logins; empty: no push.
+    push_registries: tuple[str, ...] = ()
+    # How often every PodCheckpoint is listed again (time-to-live and
+    # vanished nodes are also handled between lists).
+    resync_interval: Positive = 60.0
+    # How long a node named by a PodCheckpoint's status must have had no Node
+    # object before any agent lets the deleted PodCheckpoint go.
+    node_gone_grace: NonNegative = 300.0
+
+
 class RestoreRules(_Section, frozen=True):
     """What a checkpoint must show before it is restored (docs/security.md)."""
 
@@ -351,6 +369,7 @@ class Document(_Section, frozen=True):
     encryption: Encryption = field(default_factory=Encryption)
     signing: Signing = field(default_factory=Signing)
     restore: RestoreRules = field(default_factory=RestoreRules)
+    podcheckpoints: PodCheckpointSettings = field(default_factory=PodCheckpointSettings)
     # Per namespace ("*": every other), whether checkpoint and restore are
     # allowed, on every path (local socket, TLS listener, CRI, annotations).
     # Both are allowed where nothing says otherwise.

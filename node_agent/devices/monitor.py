@@ -26,7 +26,7 @@ from node_agent.cancelling import cancel_and_wait
 from node_agent.config.schema import Settings
 from node_agent.devices import dra, sysfs
 from node_agent.devices.health import HealthModel
-from node_agent.devices.kube import KubeClient, from_kubeconfig, in_cluster
+from node_agent.kubeapi import KubeClient, from_kubeconfig, in_cluster
 from node_agent.devices.nvml import Nvml
 from node_agent.devices.ratelimit import TokenBucket
 from node_agent.devices.taints import EFFECTS, TaintWriter, desired_rules

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from node_agent import errors
 from node_agent.config.schema import Devices
-from node_agent.devices.kube import KubeClient
+from node_agent.kubeapi import KubeClient
 from node_agent.devices.ratelimit import TokenBucket
 from node_agent.devices.types import UNHEALTHY, DeviceReport, DraDevice, Reason, TaintRule
 

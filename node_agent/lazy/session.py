@@ -314,8 +314,9 @@ class LazySession:
                 self._removed = True
                 return Outcome(False, "the container was removed before it started")
             if time.monotonic() > deadline:
-                return Outcome(False, f"StartContainer did not come within {self.settings.timeouts.lazy_start:g}s; "
-                                      "the page source gave up (restore the checkpoint again)")
+                return Outcome(False, f"StartContainer did not come within {self.settings.timeouts.lazy_start:g}s "
+                                      "(timeouts.lazy-start): the page source gave up (restore the checkpoint "
+                                      "again)")
         if self._ending and not first.done():
             return Outcome(False, self._ending)
         event = first.result()

@@ -131,7 +131,9 @@ def accept_restore(listener: socket.socket, timeout: float) -> socket.socket:
         try:
             conn, _addr = listener.accept()
         except TimeoutError:
-            raise SourceError(f"no restore connected within {timeout:g}s") from None
+            # Worded as the agent's session words the same deadline (whichever of the two sees it first).
+            raise SourceError(f"StartContainer did not come within {timeout:g}s (timeouts.lazy-start): no restore "
+                              "connected, and the page source gave up (restore the checkpoint again)") from None
         conn.settimeout(None)
         ok, who = peer_is_root(conn)
         if ok:

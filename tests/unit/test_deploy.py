@@ -80,12 +80,15 @@ def test_configmap_config_parses_with_the_agent_loader(tmp_path: Path) -> None:
     assert image_default.health_listen
 
 
-def test_clusterrole_grants_exactly_what_device_taints_need() -> None:
+def test_clusterrole_grants_exactly_what_device_taints_and_podcheckpoints_need() -> None:
     role = _one("ClusterRole", "node-agent")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"]) for r in role["rules"]}
     assert rules == {
         (("resource.k8s.io",), ("resourceslices",)): ["get", "list", "watch"],
         (("resource.k8s.io",), ("devicetaintrules",)): sorted(["get", "list", "watch", "create", "update", "patch", "delete"]),
+        (("node-agent.io",), ("podcheckpoints",)): sorted(["get", "list", "watch", "update", "delete"]),
+        (("node-agent.io",), ("podcheckpoints/status",)): ["update"],
+        (("",), ("pods", "nodes")): ["get"],
     }
     binding = _one("ClusterRoleBinding")
     sa = _one("ServiceAccount")

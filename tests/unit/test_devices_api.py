@@ -21,7 +21,7 @@ from node_agent.api.agent import AgentServicer
 from node_agent.cli.main import main as cli
 from node_agent.config.loading import from_mapping
 from node_agent.config.schema import Devices, Settings
-from node_agent.devices.kube import KubeClient, from_kubeconfig
+from node_agent.kubeapi import KubeClient, from_kubeconfig
 from node_agent.devices.monitor import DeviceMonitor
 from node_agent.devices.nvml import Nvml
 from node_agent.errors import InvalidArgument

@@ -12,7 +12,7 @@ import pytest
 
 from devices_fakes import FakeApiServer, resource_slice
 from node_agent import errors
-from node_agent.devices.kube import KubeClient, from_kubeconfig, in_cluster
+from node_agent.kubeapi import KubeClient, from_kubeconfig, in_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:

@@ -13,7 +13,7 @@ import pytest
 from conftest import Clock
 from devices_fakes import FakeApiServer, FakeGpu, FakePynvml, SysfsTree, resource_slice
 from node_agent.config.schema import Devices, Settings
-from node_agent.devices.kube import KubeClient, from_kubeconfig
+from node_agent.kubeapi import KubeClient, from_kubeconfig
 from node_agent.devices.monitor import DeviceMonitor
 from node_agent.devices.nvml import Nvml, normalize_bus_id
 from node_agent.devices.types import ATTR_NUMA_NODE, ATTR_NVIDIA_UUID, ATTR_PCI_BUS_ID, ATTR_PCIE_ROOT

@@ -16,7 +16,7 @@ import pytest
 from conftest import Clock
 from devices_fakes import FakeApiServer, SysfsTree, resource_slice
 from node_agent.config.schema import Devices, Settings
-from node_agent.devices.kube import KubeClient, from_kubeconfig
+from node_agent.kubeapi import KubeClient, from_kubeconfig
 from node_agent.devices.monitor import DeviceMonitor
 from node_agent.devices.nvml import Nvml
 from node_agent.devices.ratelimit import TokenBucket

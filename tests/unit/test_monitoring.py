@@ -2,7 +2,7 @@
 
 The PodMonitor and the PrometheusRule validate against the Prometheus
 Operator's own CRD schemas (kept in data/prometheus-operator/, unknown
-fields refused as `kubectl apply --validate=strict` does); the alert rules
+fields refused: tests/crdschema.py); the alert rules
 pass Debian's `promtool check rules` and `promtool test rules`, with series
 that must fire and series that must not; every query of the dashboard
 parses, and the alerts and the dashboard read only series the agent exports.
@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from node_agent.metrics import Metrics
+from tests.crdschema import strict
 from tests.monitoring_kit import KIT, dashboard_queries, rule_groups, series_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,26 +35,9 @@ def _doc(name: str) -> dict[str, Any]:
     return doc
 
 
-def _strict(schema: Any) -> Any:
-    """An OpenAPI v3 schema of a CRD as a JSON schema that refuses fields it does not name (as the API server's
-    strict field validation does)."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict(v) for k, v in schema.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
-    if schema.get("nullable") and isinstance(out.get("type"), str):
-        out["type"] = [out["type"], "null"]
-    if "properties" in out:
-        out["properties"] = {k: _strict(v) for k, v in schema["properties"].items()}
-        if "additionalProperties" not in out and not schema.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-    return out
-
-
 def _validator(kind: str) -> jsonschema.Draft7Validator:
     crd = json.loads((SCHEMAS / f"{kind}.schema.json").read_text())
-    schema = _strict(crd["openAPIV3Schema"])
+    schema = strict(crd["openAPIV3Schema"])
     schema["properties"]["metadata"] = {
         "type": "object", "required": ["name"],
         "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},

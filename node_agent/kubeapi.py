@@ -2,10 +2,11 @@
 
 Credentials come from a kubeconfig (its current context: server, CA,
 bearer token or token file, client certificate) or from the in-cluster
-service account. Only what the device taints need: list ResourceSlices by
-node, and list, create, replace and delete DeviceTaintRules
-(resource.k8s.io/v1). HTTP statuses become the agent's errors here.
-Blocking; callers run it in a thread with a deadline.
+service account. Calls (`request`), paged lists that also say the
+collection's resourceVersion (`list_all`), and watches from one
+(`watch`: each event as it comes; `Gone` when the server no longer has that
+version, and the caller lists again). HTTP statuses become the agent's
+errors here. Blocking; callers run it in a thread with a deadline.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import socket
 import ssl
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from node_agent import errors, tls
 
 API = "/apis/resource.k8s.io/v1"
+WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 MAX_BODY = 32 << 20
 PAGE = 500
@@ -122,6 +124,30 @@ def _status_error(status: int, method: str, path: str, body: Any) -> errors.Agen
     return cls(text)
 
 
+def _event(line: bytes, path: str) -> tuple[str, dict[str, Any]]:
+    """One watch event, checked; an ERROR event becomes the error it reports (`Gone` for 410)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        raise errors.Internal(f"watch {path}: the server sent a line that is not JSON") from None
+    kind = event.get("type") if isinstance(event, dict) else None
+    obj = event.get("object") if isinstance(event, dict) else None
+    if not isinstance(obj, dict):
+        raise errors.Internal(f"watch {path}: an event without an object")
+    if kind == "ERROR":
+        code = obj.get("code")
+        if code == 410:
+            raise Gone(f"watch {path}: {obj.get('message') or 'resourceVersion too old'}")
+        raise _status_error(code if isinstance(code, int) else 500, "watch", path, obj)
+    if kind not in WATCH_EVENTS:
+        raise errors.Internal(f"watch {path}: an event of unknown type {kind!r}")
+    return str(kind), obj
+
+
+class Gone(errors.Aborted):
+    """The resourceVersion a watch asked for is older than the server keeps (HTTP 410): list again."""
+
+
 class KubeClient:
     """Blocking calls to one API server, one connection per request."""
 
@@ -153,33 +179,42 @@ class KubeClient:
                 raise errors.Unauthenticated(f"cannot read token {self.creds.token_file}: {exc.strerror}") from exc
         return ""
 
-    def request(self, method: str, path: str, body: Any = None, query: Mapping[str, str] | None = None) -> Any:
-        """One call; the decoded JSON answer. Errors are the agent's, by HTTP status."""
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if self.tls:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.context)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: Any,
+              query: Mapping[str, str] | None, content_type: str = "application/json") -> http.client.HTTPResponse:
         target = self.prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
         headers = {"Accept": "application/json", "User-Agent": "node-agent"}
         data = None
         if body is not None:
             data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = content_type
         token = self._token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        conn: http.client.HTTPConnection
-        if self.tls:
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.context)
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn.request(method, target, body=data, headers=headers)
+        return conn.getresponse()
+
+    def _failed(self, exc: BaseException, method: str, path: str, timeout: float) -> errors.AgentError:
+        if isinstance(exc, socket.timeout):
+            return errors.DeadlineExceeded(f"{method} {path}: no answer from {self.creds.server} in {timeout:g}s")
+        if isinstance(exc, ssl.SSLError):
+            return tls.failure(exc, f"{method} {path}", self.creds.server, verbatim=True)
+        return errors.Unavailable(f"{method} {path}: cannot reach {self.creds.server}: {exc}")
+
+    def request(self, method: str, path: str, body: Any = None, query: Mapping[str, str] | None = None,
+                content_type: str = "application/json") -> Any:
+        """One call; the decoded JSON answer. Errors are the agent's, by HTTP status."""
+        conn = self._connect(self.timeout)
         try:
-            conn.request(method, target, body=data, headers=headers)
-            resp = conn.getresponse()
+            resp = self._send(conn, method, path, body, query, content_type)
             raw = resp.read(MAX_BODY + 1)
             status = resp.status
-        except socket.timeout as exc:
-            raise errors.DeadlineExceeded(f"{method} {path}: no answer from {self.creds.server} in {self.timeout:g}s") from exc
-        except ssl.SSLError as exc:
-            raise tls.failure(exc, f"{method} {path}", self.creds.server, verbatim=True) from exc
         except (OSError, http.client.HTTPException) as exc:
-            raise errors.Unavailable(f"{method} {path}: cannot reach {self.creds.server}: {exc}") from exc
+            raise self._failed(exc, method, path, self.timeout) from exc
         finally:
             conn.close()
         if len(raw) > MAX_BODY:
@@ -193,10 +228,14 @@ class KubeClient:
         return decoded
 
     def _list(self, path: str, query: dict[str, str]) -> list[Any]:
+        return self.list_all(path, query)[0]
+
+    def list_all(self, path: str, query: Mapping[str, str] | None = None) -> tuple[list[Any], str]:
+        """Every item of a collection, page by page; and the resourceVersion to watch it from."""
         items: list[Any] = []
-        token = ""
+        token = version = ""
         for _ in range(1000):
-            q = dict(query, limit=str(PAGE))
+            q = dict(query or {}, limit=str(PAGE))
             if token:
                 q["continue"] = token
             page = self.request("GET", path, query=q)
@@ -204,9 +243,53 @@ class KubeClient:
             items += got if isinstance(got, list) else []
             meta = page.get("metadata") if isinstance(page, Mapping) else None
             token = str(meta.get("continue") or "") if isinstance(meta, Mapping) else ""
+            version = str(meta.get("resourceVersion") or "") if isinstance(meta, Mapping) else ""
             if not token:
                 break
-        return items
+        return items, version
+
+    def watch(self, path: str, resource_version: str, *, seconds: int = 300,
+              query: Mapping[str, str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The collection's changes after ``resource_version``: (type, object) as the server sends them, for up
+        to ``seconds`` (then the server ends the stream: watch again from the last version seen).
+
+        BOOKMARK events carry only a newer resourceVersion. ``Gone`` when the
+        server no longer has ``resource_version``; any other ERROR event, or a
+        line that is not an event, ends the watch with the agent's error.
+        """
+        q = dict(query or {}, watch="1", resourceVersion=resource_version, allowWatchBookmarks="true",
+                 timeoutSeconds=str(seconds))
+        wait = seconds + self.timeout
+        conn = self._connect(wait)
+        try:
+            try:
+                resp = self._send(conn, "GET", path, None, q)
+                status = resp.status
+                if not 200 <= status < 300:
+                    raw = resp.read(MAX_BODY)
+                    try:
+                        decoded = json.loads(raw) if raw else {}
+                    except ValueError:
+                        decoded = {}
+                    if status == 410:
+                        raise Gone(f"watch {path}: resourceVersion {resource_version} is gone")
+                    raise _status_error(status, "GET", path, decoded)
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._failed(exc, "watch", path, wait) from exc
+            while True:
+                try:
+                    line = resp.readline(MAX_BODY + 1)
+                except (OSError, http.client.HTTPException) as exc:
+                    raise self._failed(exc, "watch", path, wait) from exc
+                if not line:
+                    return  # the server ended the watch
+                if len(line) > MAX_BODY:
+                    raise errors.ResourceExhausted(f"watch {path}: an event larger than {MAX_BODY} bytes")
+                if not line.strip():
+                    continue
+                yield _event(line, path)
+        finally:
+            conn.close()
 
     # ---- the calls the device taints make ---------------------------------
 
