@@ -85,6 +85,7 @@ class RestoreAdmission:
         self._policy = False
         self._admitted: dict[str, str] = {}  # checkpoint ID -> the signer's key id
         self._host_access: set[str] = set()  # checkpoint IDs whose configs passed
+        self._signed = False  # a trusted signature is required whatever restore.require-signature says
 
     def require_policy(self) -> None:
         """The namespace's restore policy (`namespaces:`)."""
@@ -96,6 +97,11 @@ class RestoreAdmission:
         """A Pod's annotation allows host access: only in `restore.pod-host-access-namespaces`."""
         if self.options.allow_host_access:
             policy.require_pod_host_access(self.settings, self.namespace, self.where)
+
+    def require_signed(self) -> None:
+        """From now on, admit only checkpoints with a trusted signature (a copy the request found through
+        something any node may have written: a PodCheckpoint's pushed reference)."""
+        self._signed = True
 
     def admit(self, signatures: signing.ReferrerReader, record: CheckpointRecord, saved: SavedPod) -> str:
         """May `record` be restored here? PERMISSION_DENIED if not; the signer's key id ("" when none is required).
@@ -117,7 +123,7 @@ class RestoreAdmission:
                 "restore.allow-foreign: true"
             )
         signer = ""
-        if rules.require_signature:
+        if rules.require_signature or self._signed:
             signer = signing.require_trusted(signatures, record, self.settings, self.namespace)
         self._admitted[record.id] = signer
         return signer

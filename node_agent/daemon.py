@@ -159,26 +159,24 @@ def start_podcheckpoints(s: Settings, checkpointer: Checkpointer, transfers: Tra
     or there are no cluster credentials (said in the log)."""
     if not s.podcheckpoints.enabled:
         return None
-    from node_agent.devices.monitor import node_name
-    from node_agent.kubeapi import KubeClient, from_kubeconfig, in_cluster
     from node_agent.podcheckpoints.controller import PodCheckpoints
     from node_agent.podcheckpoints.node import NodeAgent
+    from node_agent.podcheckpoints.resolve import cluster
 
     try:
-        creds = from_kubeconfig(s.devices.kubeconfig) if s.devices.kubeconfig else in_cluster()
+        found = cluster(s)
     except errors.AgentError as exc:
-        log.error("podcheckpoints: %s: not watching PodCheckpoints", exc, extra={"phase": "podcheckpoints"})
+        found = str(exc)
+    if isinstance(found, str):
+        log.error("podcheckpoints: enabled, but %s: not watching PodCheckpoints", found,
+                  extra={"phase": "podcheckpoints"})
         return None
-    if creds is None:
-        log.error("podcheckpoints: enabled, but no cluster credentials (no devices.kubeconfig, not in a pod): "
-                  "not watching PodCheckpoints", extra={"phase": "podcheckpoints"})
-        return None
-    node = node_name(s.devices.node_name)
-    controller = PodCheckpoints(KubeClient(creds, timeout=s.devices.api_timeout), node,
+    kube, node = found
+    controller = PodCheckpoints(kube, node,
                                 NodeAgent(s, checkpointer, transfers, store),
                                 resync=s.podcheckpoints.resync_interval,
                                 node_gone_grace=s.podcheckpoints.node_gone_grace)
-    log.info("podcheckpoints: taking the PodCheckpoints of node %s's pods (%s)", node, creds.server,
+    log.info("podcheckpoints: taking the PodCheckpoints of node %s's pods (%s)", node, kube.creds.server,
              extra={"phase": "podcheckpoints"})
     return _Running(asyncio.create_task(controller.run(), name="podcheckpoints"), controller.stop)
 

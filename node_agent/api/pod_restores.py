@@ -52,6 +52,8 @@ from node_agent.api.cri_proxy import CriProxy
 from node_agent.cancelling import thread_to_the_end
 from node_agent.checkpointing import Checkpointer
 from node_agent.cri.client import to_json
+from node_agent.kubeapi import KubeClient
+from node_agent.podcheckpoints.resolve import cluster, named, resolve
 from node_agent.options import boolean
 from node_agent.podformat import SavedPod, load_saved, namespace_of
 from node_agent.replicas import valid_id
@@ -66,6 +68,9 @@ RESTORE_FROM = "checkpoint.node-agent.io/restore-from"
 # into the host (`true` or `false`; docs/cri-endpoint.md).
 ALLOW_HOST_ACCESS = "checkpoint.node-agent.io/allow-host-access"
 STATE_DIR = "cri-restores"
+# What is trimmed around the annotation's value: exactly the characters the admission policy skips before
+# `podcheckpoint/` (deploy/restore-admission.yaml), so that both read the same value.
+ANNOTATION_SPACE = " \t\n\f\r"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -79,6 +84,8 @@ class _PodRestore:
     dir: str
     lazy: bool = False  # memory comes through page sources (decided once, at RunPodSandbox)
     devshm: bool = False  # the pod's /dev/shm is still to be restored (by the first CreateContainer)
+    # Restored by PodCheckpoint name: the checkpoint's containers, and the Pod may have no other (KEP-5823).
+    only: tuple[str, ...] = ()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -88,7 +95,8 @@ class _PodRestore:
 
     def save(self) -> None:
         doc = {"sandbox_id": self.sandbox_id, "checkpoint": self.checkpoint, "pod": self.pod,
-               "options": list(self.options), "pending": self.pending, "lazy": self.lazy, "devshm": self.devshm}
+               "options": list(self.options), "pending": self.pending, "lazy": self.lazy, "devshm": self.devshm,
+               "only": list(self.only)}
         path = os.path.join(self.dir, "state.json")
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(doc, fh)
@@ -103,7 +111,7 @@ class _PodRestore:
             doc = json.load(fh)
         return cls(str(doc["sandbox_id"]), str(doc["checkpoint"]), str(doc["pod"]),
                    tuple(str(o) for o in doc.get("options", [])), [str(n) for n in doc.get("pending", [])], d,
-                   doc.get("lazy") is True, doc.get("devshm") is True)
+                   doc.get("lazy") is True, doc.get("devshm") is True, tuple(str(n) for n in doc.get("only", [])))
 
 
 class PodRestores:
@@ -120,6 +128,7 @@ class PodRestores:
         self._forward_remove_container = proxy.unary_forwarder(RT + "RemoveContainer")
         self.state_root = os.path.join(self.settings.store, STATE_DIR)
         self.restores: dict[str, _PodRestore] = {}
+        self._cluster: tuple[KubeClient, str] | None = None  # for restores by PodCheckpoint name, made when asked
         self._load_state()
 
     def _load_state(self) -> None:
@@ -174,7 +183,8 @@ class PodRestores:
             admission.require_pod_host_access()
             # A namespace the policy refuses pulls nothing.
             admission.require_policy()
-            record, saved = await self._resolve_checkpoint(ref.strip(), meta.namespace, where, admission)
+            record, saved = await self._resolve_checkpoint(ref.strip(ANNOTATION_SPACE), meta.namespace, where,
+                                                           admission)
             # The rules a pull has not already applied to this checkpoint.
             await asyncio.to_thread(admission.admit, self.restorer.store, record, saved)
             admission.check_host_access(record, saved)
@@ -189,9 +199,11 @@ class PodRestores:
         override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
         resp_raw = await self._forward_run(raw + override, context)
         pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
-        st = _PodRestore(pod_id, record.id, where, saved.options, [c[0] for c in saved.containers],
+        names = [c[0] for c in saved.containers]
+        st = _PodRestore(pod_id, record.id, where, saved.options, list(names),
                          os.path.join(self.state_root, pod_id), lazy,
-                         any(f.path == podformat.POD_DEVSHM for f in record.files))
+                         any(f.path == podformat.POD_DEVSHM for f in record.files),
+                         tuple(names) if named(ref.strip(ANNOTATION_SPACE)) is not None else ())
         try:
             os.makedirs(st.dir, mode=0o700)
             st.save()
@@ -214,6 +226,9 @@ class PodRestores:
         rule, then `admission`'s: the restore policy, signatures, host
         access), so a refused pull leaves nothing in the store.
         """
+        name = named(ref)
+        if name is not None:
+            ref = await self._by_name(name, namespace, admission)
         if _DIGEST_RE.match(ref):
             missing = errors.FailedPrecondition(f"checkpoint {ref} is not in this node's store")
             try:
@@ -261,6 +276,21 @@ class PodRestores:
             raise errors.PermissionDenied(f"restore as pod {where}: checkpoint {record.id} from {ref} {outside}")
         return record, saved
 
+    async def _by_name(self, name: str, namespace: str, admission: RestoreAdmission) -> str:
+        """`podcheckpoint/<name>`: the checkpoint it took, in this node's store, or else its pushed copy, which
+        is restored only with a trusted signature (`podcheckpoints.resolve`)."""
+        if self._cluster is None:
+            found = await asyncio.to_thread(cluster, self.settings)
+            if isinstance(found, str):
+                raise errors.FailedPrecondition(f"restore from podcheckpoint/{name}: this node has {found}")
+            self._cluster = found
+        kube, node = self._cluster
+        got = await asyncio.to_thread(resolve, kube, node, self.store, namespace, name)
+        if got.checkpoint_id:
+            return got.checkpoint_id
+        admission.require_signed()
+        return got.reference
+
     def _outside(self, record: CheckpointRecord, saved: SavedPod, target: str) -> str:
         """Why a Pod in `target` may not restore this checkpoint ("" when it may).
 
@@ -286,6 +316,10 @@ class PodRestores:
         st = self.restores.get(req.pod_sandbox_id)
         name = req.config.metadata.name
         await self._after_failed_restore(req.pod_sandbox_id, name, context)
+        if st is not None and st.only and name not in st.only:
+            await self._refuse(context, errors.FailedPrecondition(
+                f"container {name} is not in the checkpoint (its containers: {', '.join(st.only)}); a Pod restored "
+                "from a PodCheckpoint has the checkpoint's containers and no other"), st.pod, st.checkpoint)
         if st is None or name not in st.pending:
             return await self._forward_create(raw, context)
         async with st.lock:

@@ -11,13 +11,12 @@ pinned by digest.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from node_agent import errors
 from node_agent.admission import parse_checkpoint_options
 from node_agent.checkpointing import CheckpointRequest, Checkpointer
 from node_agent.config.schema import Settings
 from node_agent.podcheckpoints.model import KIND, PodCheckpoint
+from node_agent.podcheckpoints.resolve import made_for
 from node_agent.registry import Credentials
 from node_agent.registry.reference import Reference, listed
 from node_agent.store import Store
@@ -53,12 +52,7 @@ class NodeAgent:
 
     def made_for(self, uid: str) -> list[CheckpointRecord]:
         """The checkpoints in this node's store taken for the PodCheckpoint with this UID."""
-        out = []
-        for record in self.store.list():
-            asked = record.metadata.get("requested_by")
-            if isinstance(asked, Mapping) and asked.get("kind") == KIND and asked.get("uid") == uid and uid:
-                out.append(record)
-        return out
+        return made_for(self.store, uid)
 
     def remove(self, record: CheckpointRecord) -> None:
         try:

@@ -12,6 +12,7 @@ and what it took stays until the object goes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import secrets
@@ -19,17 +20,23 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from node_agent import errors, signing
 
 from node_agent.api.pod_restores import RESTORE_FROM
-from testbed.bed import SHELL_COUNTER, Bed, answers, ask, container_config, make_pod, pod_config, pod_detail
+from testbed.bed import SHELL_COUNTER, Bed, answers, ask, container_config, container_detail, make_pod, pod_config
+from testbed.bed import pod_detail
 from testbed.bed import reconfigured, remove_pod, ticks, wait_for
-from testbed.kubelet import Kubelet
+from testbed.kubelet import Kubelet, StartedPod
 from testbed.layout import BedLayout, write_hosts_toml
 from testbed.registry import Registry
 from tests.kube_fake import FakeKube
 
 NS = "pcp-team"
 NODE = "bed-node"
+SIGNING_KEY = Ed25519PrivateKey.generate()  # the source node's (signing.key-file)
 MEMHOG = ["/usr/local/bin/memhog", "--mib", "64", "--seed", "31", "--port", "8080", "--interval-ms", "100",
           "--flip", "0"]
 
@@ -45,11 +52,16 @@ def cluster(bed: Bed, origin: Registry, tmp_path_factory: pytest.TempPathFactory
     """The bed's agent watching PodCheckpoints on the fake API server, as node NODE, pushing to `origin`."""
     tmp = tmp_path_factory.mktemp("pcp")
     hosts = write_hosts_toml(BedLayout(bed.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
+    key_file = tmp / "signing.pem"
+    key_file.write_bytes(SIGNING_KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))
+    key_file.chmod(0o600)
     with FakeKube() as api:
         api.put("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
         extra = json.dumps({
             "devices": {"enabled": False, "kubeconfig": str(api.kubeconfig(tmp / "kubeconfig")), "node-name": NODE},
             "podcheckpoints": {"enabled": True, "push-registries": [f"{origin.host}/team"]},
+            "signing": {"key-file": str(key_file)},
         })
         try:
             with reconfigured(bed, extra):
@@ -71,6 +83,15 @@ def _ask(api: FakeKube, name: str, pod: str, **spec: Any) -> None:
     api.put("podcheckpoints", {"apiVersion": "node-agent.io/v1alpha1", "kind": "PodCheckpoint",
                                "metadata": {"name": name, "namespace": NS},
                                "spec": {"source": {"podName": pod}, **spec}})
+
+
+def _by_name(bed: Bed, pod: str, podcheckpoint: str, containers: list[str]) -> StartedPod:
+    """A Pod restoring PodCheckpoint `podcheckpoint` by its name, started with the kubelet's calls."""
+    pcfg = pod_config(bed, NS, pod)
+    pcfg["annotations"] = {RESTORE_FROM: f"podcheckpoint/{podcheckpoint}"}
+    cmd = ["sh", "-c", SHELL_COUNTER.format(name="shell")]
+    return asyncio.run(Kubelet(bed.cri_endpoint).start_pod(
+        pcfg, [container_config(c, bed.info["images"]["busybox"], cmd) for c in containers]))
 
 
 def _finished(api: FakeKube, name: str) -> dict[str, Any]:
@@ -109,6 +130,22 @@ def test_a_podcheckpoint_is_taken_on_its_node_pushed_and_deleted_with_its_checkp
         log = os.path.join(pod.log_dir, "shell", "0.log")
         seen = max(ticks(log))
         wait_for(lambda: max(ticks(log)) > seen + 2, what="the pod counting on after its checkpoint")
+        # Restored by name on this node, with the kubelet's calls: the same process, counting on from where it
+        # was checkpointed; a Pod with a container the checkpoint does not have is refused at its
+        # CreateContainer.
+        restored = _by_name(bed, "web-again", "warm", ["shell"])
+        try:
+            assert restored.error is None, restored.error
+            again = container_detail(bed, restored.containers["shell"]).log_path
+            wait_for(lambda: len(ticks(again)) >= 2, what="the restored shell to tick")
+            assert ticks(again)[0] > 1, "a fresh start, not the checkpointed process"
+        finally:
+            remove_pod(bed, restored.sandbox_id)
+        extra = _by_name(bed, "web-extra", "warm", ["shell", "sidecar"])
+        try:
+            assert extra.error is not None and "container sidecar is not in the checkpoint" in str(extra.error)
+        finally:
+            remove_pod(bed, extra.sandbox_id)
 
         api.delete("podcheckpoints", NS, "warm")
         wait_for(lambda: api.get("podcheckpoints", NS, "warm") is None, timeout=60, what="the object gone")
@@ -180,6 +217,55 @@ def test_the_readmes_from_kubectl_steps(cluster: tuple[Bed, FakeKube], origin: R
         wait_for(lambda: api.get("podcheckpoints", NS, "model-warm") is None, timeout=60, what="the object gone")
         assert status["checkpointID"] not in _stored(bed)
         assert all(pod_detail(node2, sandbox).ip for sandbox in made)
+    finally:
+        for sandbox in made:
+            remove_pod(node2, sandbox)
+        for record in json.loads(node2.cli("checkpoints", "ls", "-o", "json").stdout or "[]"):
+            if record["pod_namespace"] == NS:
+                node2.cli("checkpoints", "rm", record["id"], check=False)
+        hosts.unlink(missing_ok=True)
+        remove_pod(bed, src.id)
+
+
+def test_a_podcheckpoint_is_restored_by_name_on_another_node_only_with_a_trusted_signature(
+        cluster: tuple[Bed, FakeKube], origin: Registry, node2: Bed, tmp_path: Path) -> None:
+    bed, api = cluster
+    image = bed.info["images"]["memhog"]
+    src = make_pod(bed, NS, [container_config("mem", image, MEMHOG)], name="signed-src")
+    api.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": src.name, "namespace": NS},
+                     "spec": {"nodeName": NODE}})
+    hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
+    made: list[str] = []
+    try:
+        ip = pod_detail(bed, src.id).ip
+        wait_for(lambda: answers(ip), what="memhog to answer")
+        checksum = ask(ip).split("sum=")[1]
+        _ask(api, "signed", src.name, push={"reference": origin.ref("team/signed:v1")})
+        status = _finished(api, "signed")["status"]
+        assert status["phase"] == "Succeeded", status
+
+        def by_name() -> StartedPod:
+            pcfg = pod_config(node2, NS, f"r-{secrets.token_hex(3)}")
+            pcfg["annotations"] = {RESTORE_FROM: "podcheckpoint/signed"}
+            started = asyncio.run(Kubelet(node2.cri_endpoint).start_pod(pcfg, [container_config("mem", image, MEMHOG)]))
+            made.append(started.sandbox_id)
+            return started
+
+        node2_config = {"devices": {"enabled": False, "kubeconfig": str(api.kubeconfig(tmp_path / "kubeconfig")),
+                                    "node-name": "node-2"},
+                        "restore": {"pod-registries": [f"{origin.host}/team"]}}
+        # Elsewhere than its own node, the object's pushed copy; without a key the node trusts, refused.
+        with reconfigured(node2, json.dumps(node2_config)):
+            with pytest.raises(errors.PermissionDenied, match="may not be restored into namespace"):
+                by_name()
+        trusted = "ed25519:" + base64.b64encode(signing.raw_public(SIGNING_KEY.public_key())).decode()
+        node2_config["restore"]["trusted-keys"] = {"*": [trusted]}  # type: ignore[index]
+        with reconfigured(node2, json.dumps(node2_config)):
+            started = by_name()
+            assert started.error is None, started.error
+            new_ip = pod_detail(node2, started.sandbox_id).ip
+            wait_for(lambda: answers(new_ip), what="the replica restored by name to answer")
+            assert ask(new_ip).split("sum=")[1] == checksum
     finally:
         for sandbox in made:
             remove_pod(node2, sandbox)

@@ -141,6 +141,7 @@ RBAC = (
     Grant("carol", role("node-agent-restore") + role("node-agent-restore-host-access"), NS),
     Grant("dave", (Rule(("restore",), ("node-agent.io",), ("checkpoints",), (CKPT,)),), NS),
     Grant("erin", role("node-agent-restore")),
+    Grant("pat", role("node-agent-restore-podcheckpoints"), NS),
     # Near misses: the wrong verb, group, resource.
     Grant("mallory", (Rule(("create", "update"), ("", "apps", "batch"), ("*",)),
                       Rule(("get",), ("node-agent.io",), ("checkpoints",)),
@@ -409,6 +410,23 @@ def test_the_refusal_names_the_annotation_the_permission_and_the_user() -> None:
     (message,) = admit(Request("alice", workload("StatefulSet", HOST))).messages
     for word in (ALLOW_HOST_ACCESS, "restore-host-access", "pod template of a StatefulSet", "alice"):
         assert word in message
+
+
+def test_a_podcheckpoint_by_name_needs_restore_on_podcheckpoints_and_nothing_else_does() -> None:
+    by_name = pod({RESTORE_FROM: "podcheckpoint/model-warm"})
+    assert allowed(Request("pat", by_name))
+    assert not allowed(Request("alice", by_name))  # restore on checkpoints is not restore on podcheckpoints
+    assert not allowed(Request("pat", pod({RESTORE_FROM: CKPT})))  # and the other way round
+    assert not allowed(Request("pat", pod({RESTORE_FROM: "podcheckpoint/model-warm"}) | {
+        "metadata": meta({RESTORE_FROM: "podcheckpoint/model-warm"}, namespace="tenant-b")}, namespace="tenant-b"))
+    # The whitespace the agent trims before it looks for the prefix counts here too.
+    for padded in (" podcheckpoint/x", "\tpodcheckpoint/x", "\n\r podcheckpoint/x"):
+        assert allowed(Request("pat", pod({RESTORE_FROM: padded}))), repr(padded)
+        assert not allowed(Request("alice", pod({RESTORE_FROM: padded}))), repr(padded)
+    # A registry reference that merely contains the word is a registry reference.
+    assert not allowed(Request("pat", pod({RESTORE_FROM: "registry.example/podcheckpoint/x:v1"})))
+    (message,) = admit(Request("mallory", by_name)).messages
+    assert "podcheckpoints" in message and "node-agent-restore-podcheckpoints" in message
 
 
 def test_resource_names_limit_a_grant_to_the_checkpoints_named() -> None:

@@ -100,9 +100,11 @@ def test_clusterrole_grants_exactly_what_device_taints_and_podcheckpoints_need()
 
 def test_restore_roles_grant_only_the_virtual_verbs_and_aggregate_into_nothing() -> None:
     # The admission policy (deploy/restore-admission.yaml, tests/unit/test_admission_policy.py) asks RBAC for these.
-    for name, verb in (("node-agent-restore", "restore"), ("node-agent-restore-host-access", "restore-host-access")):
+    for name, verb, resource in (("node-agent-restore", "restore", "checkpoints"),
+                                 ("node-agent-restore-host-access", "restore-host-access", "checkpoints"),
+                                 ("node-agent-restore-podcheckpoints", "restore", "podcheckpoints")):
         role = _one("ClusterRole", name)
-        assert role["rules"] == [{"apiGroups": ["node-agent.io"], "resources": ["checkpoints"], "verbs": [verb]}]
+        assert role["rules"] == [{"apiGroups": ["node-agent.io"], "resources": [resource], "verbs": [verb]}]
         assert "aggregationRule" not in role
         assert not any(k.startswith("rbac.authorization.k8s.io/aggregate-to") for k in role["metadata"]["labels"])
     # Bound by no one here: each cluster binds them where pod authors may restore.

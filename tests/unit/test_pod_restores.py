@@ -165,3 +165,64 @@ def test_restore_state_keeps_no_staged_files_across_a_restart(tmp_path: Path) ->
     got = restores.restores
     assert (got["sb-old"].lazy, got["sb-old"].devshm, got["sb-old"].pending) == (False, False, ["c"])
     assert (got["sb-new"].lazy, got["sb-new"].devshm) == (True, True)
+
+
+# ---- restore by PodCheckpoint name ------------------------------------------------------------
+
+
+def _named_checkpoint(store: Store, uid: str) -> str:
+    """A checkpoint of pod team/web as a PodCheckpoint with this UID had it taken."""
+    rec, files = make_checkpoint(store, names=("app",))
+    meta = dict(rec.metadata) | {"requested_by": {"kind": "PodCheckpoint", "namespace": "team", "name": "warm",
+                                                  "uid": uid}}
+    with store.writer() as w:
+        w.add_dir("containers/app/checkpoint", mode=0o700)
+        for path, data in sorted(files.items()):
+            w.add_bytes(path, data, mode=0o644 if path.endswith(".img") else 0o600)
+        return w.commit(meta).id
+
+
+async def test_a_pod_restores_a_podcheckpoint_by_name_only_as_its_status_and_this_store_agree(
+        tmp_path: Path, pki: Pki) -> None:
+    from tests.kube_fake import FakeKube
+
+    with FakeKube() as api:
+        kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+        async with Node(tmp_path, pki, devices={"kubeconfig": str(kubeconfig), "node-name": "n1"}) as node:
+            made = api.put("podcheckpoints", {"apiVersion": "node-agent.io/v1alpha1", "kind": "PodCheckpoint",
+                                              "metadata": {"name": "warm", "namespace": "team"},
+                                              "spec": {"source": {"podName": "web"}}})
+            ckpt = _named_checkpoint(node.store, made["metadata"]["uid"])
+
+            def status(**given: Any) -> None:
+                obj = api.get("podcheckpoints", "team", "warm")
+                assert obj is not None
+                code, answer = api.server.apply("PUT", api.kind("podcheckpoints"), "team", "warm", "status",
+                                                obj | {"status": given}, "application/json")
+                assert code == 200, answer
+
+            code, details = await _ask(node, _run("team", "podcheckpoint/warm"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "has not succeeded (phase none yet)" in details
+            assert node.criu.calls == [] and [m for m in node.containerd.methods if m != "Version"] == []
+            status(phase="Succeeded", node="n1", checkpointID=ckpt)
+            # Admitted: it got as far as its preflight (the fake node has no CRIU).
+            code, details = await _ask(node, _run("team", " podcheckpoint/warm\n"))
+            assert "CRIU was asked to cpuinfo_check" in details, (code, details)
+            # A status that names another checkpoint of this store (any agent could have written it) is not
+            # followed: only a checkpoint whose metadata names the object counts.
+            asked = len(node.criu.calls)
+            status(phase="Succeeded", node="n1", checkpointID=node.native.id)
+            code, details = await _ask(node, _run("team", "podcheckpoint/warm"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert details.endswith("podcheckpoint team/warm was taken on node n1 and not pushed: only that node "
+                                    "restores it (push it: spec.push)"), details
+            # A pushed copy of another checkpoint than the one taken.
+            status(phase="Succeeded", node="n2", checkpointID=ckpt,
+                   pushedReference="registry.example/team/x@sha256:" + "e" * 64)
+            code, details = await _ask(node, _run("team", "podcheckpoint/warm"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "is not its checkpoint pinned by digest" in details
+            # Another namespace's PodCheckpoint of the same name is not this one.
+            code, details = await _ask(node, _run("prod", "podcheckpoint/warm"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "podcheckpoint prod/warm does not exist" in details
+            assert len(node.criu.calls) == asked  # none of these got as far as the preflight
+            assert [m for m in node.containerd.methods if m != "Version"] == []  # no sandbox was made
