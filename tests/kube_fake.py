@@ -15,7 +15,9 @@ It keeps objects as the API server does, for what the agent uses of it:
   rules (tests/crdschema.py): what would fail there is 422 Invalid here, and
   is recorded in `problems` as well;
 * **Pods and Nodes**, as the test puts them there (`put`): get, list, and
-  delete, with the same watch history.
+  delete, with the same watch history;
+* **RBAC**, as far as a test takes a verb away: `forbidden` holds
+  "verb resource[/subresource]" entries answered 403 Forbidden.
 
 `break_watches()` cuts every open watch mid-stream (an API server restarted);
 `compact()` forgets the history so far (a watch from before it gets 410).
@@ -92,6 +94,7 @@ class State:
     calls: list[Call] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     fail_next: dict[str, int] = field(default_factory=dict)  # "METHOD path" -> HTTP status, once
+    forbidden: set[str] = field(default_factory=set)  # "VERB resource[/subresource]" RBAC does not grant: 403
     epoch: int = 0  # bumped by break_watches
     lock: threading.Condition = field(default_factory=threading.Condition)
 
@@ -159,6 +162,12 @@ class _Handler(BaseHTTPRequestHandler):
             call.status = 404
             return self._status(404, "NotFound", f"no resource at {call.path}")
         kind, ns, name, sub = route
+        verb = {"GET": "watch" if query.get("watch") else ("get" if name else "list"), "POST": "create",
+                "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+        if f"{verb} {kind.plural}{'/' + sub if sub else ''}" in st.forbidden:
+            call.status = 403
+            return self._status(403, "Forbidden", f'{kind.plural}{"/" + sub if sub else ""} "{name}" is forbidden: '
+                                                  f"User cannot {verb} resource")
         if method == "GET" and not name:
             if query.get("watch", ["0"])[0] in ("1", "true"):
                 return self._watch(kind, ns, query)

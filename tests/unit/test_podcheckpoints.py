@@ -301,3 +301,17 @@ async def test_an_object_the_agent_cannot_read_fails_once_and_is_never_acted_on(
     failed = await cluster.phase("odd", "Failed")
     assert "spec.options key is not a valid value" in failed["status"]["message"]
     assert b.checkpoints == [] and "finalizers" not in failed["metadata"]
+
+
+@pytest.mark.parametrize("denied", ["update podcheckpoints", "update podcheckpoints/status"])
+async def test_an_agent_rbac_does_not_let_claim_the_object_takes_no_checkpoint(cluster: Cluster, denied: str) -> None:
+    """Without the claim (the finalizer, then the status), nothing is checkpointed: an agent whose
+    ServiceAccount lacks either write leaves the pod alone, and does so again at each list."""
+    cluster.api.state.forbidden.add(denied)
+    b = await cluster.start("node-b", resync=0.5)
+    cluster.pod("web", "node-b")
+    cluster.ask("warm", "web")
+    await cluster.until("two tries refused", lambda: sum(
+        1 for c in cluster.api.state.calls if c.status == 403 and c.method == "PUT") >= 2)
+    assert b.checkpoints == []
+    assert (cluster.obj("warm") or {}).get("status") is None
