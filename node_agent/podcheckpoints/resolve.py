@@ -23,7 +23,7 @@ from node_agent.kubeapi import KubeClient, from_kubeconfig, in_cluster
 from node_agent.podcheckpoints import model
 from node_agent.podcheckpoints.model import KIND, SUCCEEDED, PodCheckpoint
 from node_agent.store import Store
-from node_agent.store.records import CheckpointRecord
+from node_agent.store.records import LOCAL, CheckpointRecord
 
 PREFIX: Final = "podcheckpoint/"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -53,9 +53,15 @@ def cluster(settings: Settings) -> tuple[KubeClient, str] | str:
 
 
 def made_for(store: Store, uid: str) -> list[CheckpointRecord]:
-    """The checkpoints in ``store`` taken for the PodCheckpoint with this UID."""
+    """The checkpoints in ``store`` taken here for the PodCheckpoint with this UID.
+
+    Only checkpoints this node made count: a UID is no secret, and a pulled or
+    imported checkpoint's metadata says whatever its maker wrote.
+    """
     out = []
     for record in store.list():
+        if record.provenance != LOCAL:
+            continue
         asked = record.metadata.get("requested_by")
         if isinstance(asked, Mapping) and asked.get("kind") == KIND and asked.get("uid") == uid and uid:
             out.append(record)

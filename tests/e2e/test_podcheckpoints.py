@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -71,12 +72,35 @@ def cluster(bed: Bed, origin: Registry, tmp_path_factory: pytest.TempPathFactory
         assert api.state.problems == [], "every write the agent sent must pass the CRD's schema"
 
 
-def _pod(bed: Bed, api: FakeKube, name: str) -> Any:
-    pod = make_pod(bed, NS, [container_config("shell", bed.info["images"]["busybox"],
-                                              ["sh", "-c", SHELL_COUNTER.format(name="shell")])], name=name)
+def _pod(bed: Bed, api: FakeKube, name: str, containers: list[dict[str, Any]] | None = None) -> Any:
+    """A pod on the bed (a shell counter unless ``containers`` say otherwise), and its Pod on the API server."""
+    pod = make_pod(bed, NS, containers or [container_config(
+        "shell", bed.info["images"]["busybox"], ["sh", "-c", SHELL_COUNTER.format(name="shell")])], name=name)
     api.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod.name, "namespace": NS},
                      "spec": {"nodeName": NODE}})
     return pod
+
+
+@contextlib.contextmanager
+def _model_server(bed: Bed, api: FakeKube, name: str, node2: Bed, origin: Registry) -> Iterator[tuple[str, list[str]]]:
+    """A memhog "model server" pod `name` on the bed, answering, with node2 reaching `origin` over plain HTTP.
+    Yields the server's checksum and a list for the sandboxes made on node2; afterwards they go, with node2's
+    copies of this namespace's checkpoints, its hosts.toml, and the server."""
+    src = _pod(bed, api, name, [container_config("mem", bed.info["images"]["memhog"], MEMHOG)])
+    hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
+    made: list[str] = []
+    try:
+        ip = pod_detail(bed, src.id).ip
+        wait_for(lambda: answers(ip), what="the model server to answer")
+        yield ask(ip).split("sum=")[1], made
+    finally:
+        for sandbox in made:
+            remove_pod(node2, sandbox)
+        for record in json.loads(node2.cli("checkpoints", "ls", "-o", "json").stdout or "[]"):
+            if record["pod_namespace"] == NS:
+                node2.cli("checkpoints", "rm", record["id"], check=False)
+        hosts.unlink(missing_ok=True)
+        remove_pod(bed, src.id)
 
 
 def _ask(api: FakeKube, name: str, pod: str, **spec: Any) -> None:
@@ -177,17 +201,9 @@ def test_the_readmes_from_kubectl_steps(cluster: tuple[Bed, FakeKube], origin: R
     and node2's kubelet (its CRI calls, in its order)."""
     bed, api = cluster
     image = bed.info["images"]["memhog"]
-    src = make_pod(bed, NS, [container_config("mem", image, MEMHOG)], name="model-7c9f5")
-    api.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": src.name, "namespace": NS},
-                     "spec": {"nodeName": NODE}})
-    hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
-    made: list[str] = []
-    try:
-        ip = pod_detail(bed, src.id).ip
-        wait_for(lambda: answers(ip), what="the model server to answer")
-        checksum = ask(ip).split("sum=")[1]
+    with _model_server(bed, api, "model-7c9f5", node2, origin) as (checksum, made):
         # 1. kubectl apply -f the PodCheckpoint, with a push.
-        _ask(api, "model-warm", src.name, push={"reference": origin.ref("team/model:warm")})
+        _ask(api, "model-warm", "model-7c9f5", push={"reference": origin.ref("team/model:warm")})
         # 2. kubectl get podcheckpoint model-warm -o wide: Succeeded, and where it was pushed.
         status = _finished(api, "model-warm")["status"]
         assert status["phase"] == "Succeeded", status
@@ -217,30 +233,14 @@ def test_the_readmes_from_kubectl_steps(cluster: tuple[Bed, FakeKube], origin: R
         wait_for(lambda: api.get("podcheckpoints", NS, "model-warm") is None, timeout=60, what="the object gone")
         assert status["checkpointID"] not in _stored(bed)
         assert all(pod_detail(node2, sandbox).ip for sandbox in made)
-    finally:
-        for sandbox in made:
-            remove_pod(node2, sandbox)
-        for record in json.loads(node2.cli("checkpoints", "ls", "-o", "json").stdout or "[]"):
-            if record["pod_namespace"] == NS:
-                node2.cli("checkpoints", "rm", record["id"], check=False)
-        hosts.unlink(missing_ok=True)
-        remove_pod(bed, src.id)
 
 
 def test_a_podcheckpoint_is_restored_by_name_on_another_node_only_with_a_trusted_signature(
         cluster: tuple[Bed, FakeKube], origin: Registry, node2: Bed, tmp_path: Path) -> None:
     bed, api = cluster
     image = bed.info["images"]["memhog"]
-    src = make_pod(bed, NS, [container_config("mem", image, MEMHOG)], name="signed-src")
-    api.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": src.name, "namespace": NS},
-                     "spec": {"nodeName": NODE}})
-    hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
-    made: list[str] = []
-    try:
-        ip = pod_detail(bed, src.id).ip
-        wait_for(lambda: answers(ip), what="memhog to answer")
-        checksum = ask(ip).split("sum=")[1]
-        _ask(api, "signed", src.name, push={"reference": origin.ref("team/signed:v1")})
+    with _model_server(bed, api, "signed-src", node2, origin) as (checksum, made):
+        _ask(api, "signed", "signed-src", push={"reference": origin.ref("team/signed:v1")})
         status = _finished(api, "signed")["status"]
         assert status["phase"] == "Succeeded", status
 
@@ -266,11 +266,3 @@ def test_a_podcheckpoint_is_restored_by_name_on_another_node_only_with_a_trusted
             new_ip = pod_detail(node2, started.sandbox_id).ip
             wait_for(lambda: answers(new_ip), what="the replica restored by name to answer")
             assert ask(new_ip).split("sum=")[1] == checksum
-    finally:
-        for sandbox in made:
-            remove_pod(node2, sandbox)
-        for record in json.loads(node2.cli("checkpoints", "ls", "-o", "json").stdout or "[]"):
-            if record["pod_namespace"] == NS:
-                node2.cli("checkpoints", "rm", record["id"], check=False)
-        hosts.unlink(missing_ok=True)
-        remove_pod(bed, src.id)

@@ -170,8 +170,9 @@ def test_restore_state_keeps_no_staged_files_across_a_restart(tmp_path: Path) ->
 # ---- restore by PodCheckpoint name ------------------------------------------------------------
 
 
-def _named_checkpoint(store: Store, uid: str) -> str:
-    """A checkpoint of pod team/web as a PodCheckpoint with this UID had it taken."""
+def _named_checkpoint(store: Store, uid: str, provenance: str = "local") -> str:
+    """A checkpoint of pod team/web as a PodCheckpoint with this UID had it taken (``provenance``: where the
+    store says it came from)."""
     rec, files = make_checkpoint(store, names=("app",))
     meta = dict(rec.metadata) | {"requested_by": {"kind": "PodCheckpoint", "namespace": "team", "name": "warm",
                                                   "uid": uid}}
@@ -179,7 +180,7 @@ def _named_checkpoint(store: Store, uid: str) -> str:
         w.add_dir("containers/app/checkpoint", mode=0o700)
         for path, data in sorted(files.items()):
             w.add_bytes(path, data, mode=0o644 if path.endswith(".img") else 0o600)
-        return w.commit(meta).id
+        return w.commit(meta | {"node": f"n1-{provenance}"}, provenance=provenance).id  # one ID per provenance
 
 
 async def test_a_pod_restores_a_podcheckpoint_by_name_only_as_its_status_and_this_store_agree(
@@ -224,5 +225,11 @@ async def test_a_pod_restores_a_podcheckpoint_by_name_only_as_its_status_and_thi
             # Another namespace's PodCheckpoint of the same name is not this one.
             code, details = await _ask(node, _run("prod", "podcheckpoint/warm"))
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "podcheckpoint prod/warm does not exist" in details
+            # A pulled checkpoint whose metadata claims the object (a UID is no secret), named by a status
+            # someone wrote: not this node's checkpoint of that object.
+            pulled = _named_checkpoint(node.store, made["metadata"]["uid"], provenance="pulled")
+            status(phase="Succeeded", node="n1", checkpointID=pulled)
+            code, details = await _ask(node, _run("team", "podcheckpoint/warm"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "taken on node n1 and not pushed" in details
             assert len(node.criu.calls) == asked  # none of these got as far as the preflight
             assert [m for m in node.containerd.methods if m != "Version"] == []  # no sandbox was made
