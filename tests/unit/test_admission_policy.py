@@ -429,6 +429,13 @@ def test_a_podcheckpoint_by_name_needs_restore_on_podcheckpoints_and_nothing_els
     assert "podcheckpoints" in message and "node-agent-restore-podcheckpoints" in message
 
 
+@pytest.mark.parametrize("kind", WORKLOADS)
+def test_a_workloads_pod_template_naming_a_podcheckpoint_needs_restore_on_podcheckpoints(kind: str) -> None:
+    by_name = workload(kind, {RESTORE_FROM: "podcheckpoint/model-warm"})
+    assert allowed(Request("pat", by_name))
+    assert not allowed(Request("alice", by_name))
+
+
 def test_resource_names_limit_a_grant_to_the_checkpoints_named() -> None:
     assert allowed(Request("dave", pod({RESTORE_FROM: CKPT})))
     assert not allowed(Request("dave", pod({RESTORE_FROM: OTHER})))
