@@ -99,14 +99,11 @@ class State:
     lock: threading.Condition = field(default_factory=threading.Condition)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
+class ApiHandler(BaseHTTPRequestHandler):
+    """What every fake API server of the tests answers with: JSON bodies, and failures as a v1 Status."""
 
     def log_message(self, *args: Any) -> None:
         pass
-
-    # ---- plumbing ----------------------------------------------------------
 
     def _send(self, status: int, body: Any) -> None:
         data = json.dumps(body).encode()
@@ -119,6 +116,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _status(self, code: int, reason: str, message: str) -> None:
         self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
                           "reason": reason, "message": message})
+
+
+class _Handler(ApiHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
 
     def _route(self) -> tuple[Kind, str, str, str] | None:
         """(kind, namespace, name, subresource) of the request's path."""

@@ -15,13 +15,15 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
 import pynvml
+
+from tests.kube_fake import ApiHandler
 
 K8S_VERSION = "1.37.0"
 
@@ -162,23 +164,8 @@ def _validate(obj: Any, what: str) -> str:
     return ""
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(ApiHandler):
     state: ApiState
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _status(self, code: int, reason: str, message: str) -> None:
-        self._send(code, {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": reason,
-                          "message": message, "code": code})
 
     def _handle(self) -> None:
         st = self.state
