@@ -62,6 +62,8 @@ FAULT_WINDOW: Final = 1 << 20  # a fault claims whole chunks, at least this much
 STREAM_WINDOW: Final = 4 << 20
 FAULT_WORKERS: Final = 4
 STREAMS: Final = 2  # one copies while the other waits for its chunks: the copy and the reading overlap
+IDLE_WAIT: Final = 0.05
+"""How long an idle stream waits before it looks again; a process's memory arriving or a job ending wakes it."""
 _WORD: Final = struct.Struct("=i")
 
 
@@ -135,6 +137,7 @@ class Handler:
             first = task.pending.first()
             if first is not None:
                 task.cache.warm(task.file_offset(first.img))
+            self.lock.notify_all()  # the streams start on it now
         self.epoll.register(fd, select.EPOLLIN)
         log.info("task %d: %d pages to fill", task_id, task.pending.bytes // PAGE_SIZE)
 
@@ -469,7 +472,7 @@ class Handler:
                             self.stopping = True  # every page is in
                             self._wake()
                             return
-                        self.lock.wait(0.05)
+                        self.lock.wait(IDLE_WAIT)
                         continue
                 if not self._run_job(*picked):
                     with self.lock:  # the restore is still placing the memory: a moment later

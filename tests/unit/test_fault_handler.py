@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from node_agent.lazy.chunks import SourceError
+from node_agent.lazy import fault_handler
 from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
 from node_agent.store import Store
@@ -66,9 +67,10 @@ class Restored:
         assert answer, f"the process died on {line!r} (exit {self.proc.poll()})"
         return answer
 
-    def serve(self, source: Source, linger: threading.Event | None = None) -> None:
+    def serve(self, source: Source, linger: threading.Event | None = None, command: str = "connect") -> None:
         """Run the handler on ``source`` in a thread; with ``linger``, it then answers the faults left (zero
-        pages) until that is set, as the page source does until the agent lets it go."""
+        pages) until that is set, as the page source does until the agent lets it go. ``command``: how the
+        process hands its memory over (``hand-over``: the restore is not finished yet)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.sock)
         listener.listen(1)
@@ -92,7 +94,7 @@ class Restored:
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        assert self.ask(f"connect {self.sock}") == "ok"
+        assert self.ask(f"{command} {self.sock}") == "ok"
 
     def expect(self, first: int, n: int) -> str:
         return sha(self.pages[first * PAGE:(first + n) * PAGE])
@@ -152,6 +154,25 @@ def test_the_process_reads_its_checkpointed_memory_and_the_rest_streams_in(resto
     r.thread.join(10)
     assert r.result == [True] and r.handed == [42]
     assert r.handler is not None and r.handler.copied == PAGES * PAGE and r.handler.total_pages == PAGES
+    source.close()
+
+
+def test_the_stream_starts_when_the_memory_arrives(restored: Restored, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore sends the process's userfaultfd and is still under way; nothing faults. The streams, idle
+    until then, start on it at once (its arrival wakes them: they do not wait to look again, here for ten
+    minutes) and every page is in before the restore finishes."""
+    monkeypatch.setattr(fault_handler, "IDLE_WAIT", 600.0)
+    r = restored
+    source = Source(r.store, r.checkpoint, "c", str(r.images))
+    r.serve(source, command="hand-over")
+    assert r.handler is not None and r.thread is not None
+    with r.handler.lock:
+        assert r.handler.lock.wait_for(lambda: r.handler is not None and r.handler.copied == PAGES * PAGE, 60)
+    assert r.handler.faults == 0 and r.thread.is_alive()  # not over: the restore has not finished
+    assert r.ask("finish") == "ok"
+    r.thread.join(60)
+    assert not r.thread.is_alive() and r.result == [True]
+    assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
     source.close()
 
 

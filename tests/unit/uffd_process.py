@@ -4,8 +4,9 @@ It maps anonymous memory, registers it with a userfaultfd of its own (the
 features CRIU's restore asks for), prints the address, and on ``connect
 PATH`` hands the userfaultfd to whoever listens there the way CRIU's
 restore does: its task id, then the descriptor with one byte, then
-RESTORE_FINISHED. Then it obeys commands on stdin, one per line, and
-answers each on stdout:
+RESTORE_FINISHED (``hand-over PATH`` stops before RESTORE_FINISHED, as a
+restore still under way does; ``finish`` then sends it). Then it obeys
+commands on stdin, one per line, and answers each on stdout:
 
 * ``hash OFF N``: sha256 of N pages from page OFF (reading them faults);
 * ``fork-hash OFF N``: the same, read by a child it forks first;
@@ -56,16 +57,25 @@ def main() -> None:
     reg = (ctypes.c_uint64 * 4)(addr, pages * PAGE, 1, 0)  # range, MODE_MISSING, ioctls
     check(libc.ioctl(uffd, ctypes.c_ulong(UFFDIO_REGISTER), reg) == 0, "UFFDIO_REGISTER")
     print(hex(addr), flush=True)
+    restore: socket.socket | None = None  # a hand-over's connection, until it finishes
     for line in sys.stdin:
         cmd, *args = line.split()
-        if cmd == "connect":
+        if cmd in ("connect", "hand-over"):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(args[0])
             s.sendall(struct.pack("=i", task_id))
             socket.send_fds(s, [b"\0"], [uffd])
-            s.sendall(struct.pack("=i", RESTORE_FINISHED))
-            s.close()
             os.close(uffd)
+            if cmd == "connect":
+                s.sendall(struct.pack("=i", RESTORE_FINISHED))
+                s.close()
+            else:
+                restore = s
+            print("ok", flush=True)
+        elif cmd == "finish":
+            assert restore is not None
+            restore.sendall(struct.pack("=i", RESTORE_FINISHED))
+            restore.close()
             print("ok", flush=True)
         elif cmd in ("hash", "fork-hash"):
             off, n = int(args[0]), int(args[1])
