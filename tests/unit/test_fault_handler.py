@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.lazy.chunks import SourceError
 from node_agent.lazy import fault_handler
+from node_agent.lazy.chunks import SourceError
 from node_agent.lazy.fault_handler import Handler
 from node_agent.lazy.source import Source, accept_restore
 from node_agent.store import Store
@@ -165,10 +165,11 @@ def test_the_stream_starts_when_the_memory_arrives(restored: Restored, monkeypat
     r = restored
     source = Source(r.store, r.checkpoint, "c", str(r.images))
     r.serve(source, command="hand-over")
-    assert r.handler is not None and r.thread is not None
-    with r.handler.lock:
-        assert r.handler.lock.wait_for(lambda: r.handler is not None and r.handler.copied == PAGES * PAGE, 60)
-    assert r.handler.faults == 0 and r.thread.is_alive()  # not over: the restore has not finished
+    handler = r.handler
+    assert handler is not None and r.thread is not None
+    with handler.lock:
+        assert handler.lock.wait_for(lambda: handler.copied == PAGES * PAGE, 60)
+    assert handler.faults == 0 and r.thread.is_alive()  # not over: the restore has not finished
     assert r.ask("finish") == "ok"
     r.thread.join(60)
     assert not r.thread.is_alive() and r.result == [True]
