@@ -13,7 +13,10 @@ one: testbed/lazyimages.py's UFFD_PROCESS), for N MiB of incompressible pages:
 * handler, idle: the fault handler streaming everything into a process that
   does not touch its memory;
 * handler, read: the same while the process reads all of its memory from
-  the start (faults and the stream side by side), timed by the handler.
+  the start (faults and the stream side by side), timed by the handler;
+* page source start-up: a restore's page source as a new process and as the
+  agent's spare (`node_agent.lazy.spare`), from the session's start until it
+  serves a restore that connects at once, and the CPU it used meanwhile.
 
 With ``--registry``, the same pages pushed to a loopback docker-registry and
 pulled lazily (as on another node) are also read through the chunk cache and

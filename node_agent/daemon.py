@@ -259,6 +259,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
         await check_handler_at_start(s, cri)
+        restorer.lazy.prepare()  # a page source started ahead of the first restore
         sdnotify.ready(f"serving on unix://{s.socket}")
         gc_task = (
             asyncio.create_task(periodic_gc(s, gc), name="periodic-gc") if s.retention.gc_interval > 0 else None

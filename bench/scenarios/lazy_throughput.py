@@ -5,6 +5,7 @@ measurement)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -23,12 +24,16 @@ from pathlib import Path
 
 from bench.harness.machine import memory_given_back
 from bench.scenarios.crossnode_paths import CpuLog, get_bound
+from criu_bridge import resumegate
+from node_agent.config.loading import from_mapping
 from node_agent.config.schema import RegistrySettings
 from node_agent.lazy import uffd
 from node_agent.lazy.remote import memory_chunks
 from node_agent.lazy.chunks import ChunkCache
 from node_agent.lazy.fault_handler import Handler
+from node_agent.lazy.restores import LazyRestores
 from node_agent.lazy.source import Source, accept_restore
+from node_agent.lazy.staging import read_memory
 from node_agent.registry import Credentials, pull, push
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.store import DEFAULT_CHUNK_SIZE, Store
@@ -176,12 +181,93 @@ def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _startup(root: Path, spare: bool) -> tuple[Span, float]:
+    """A restore's page source until it serves, started as a new process or taken from a spare started ahead
+    (`node_agent.lazy.spare`): from the session's start to the restored process's connection, made at once,
+    being taken; and the CPU seconds the source used over it."""
+    return asyncio.run(_startup_async(root, spare))
+
+
+async def _startup_async(root: Path, spare: bool) -> tuple[Span, float]:
+    work = Path(tempfile.mkdtemp(dir=root, prefix="s"))
+    settings = from_mapping({"store": str(work / "s"), "runc-root": str(work / "r")})
+    lazy = LazyRestores(settings)
+    pages = 256
+    proc = subprocess.Popen([sys.executable, str(UFFD_PROCESS), "42", str(pages)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        addr = int(proc.stdout.readline(), 16)
+        store = Store(settings.store)
+        with store.writer() as w:
+            w.add_bytes(PAGES_PATH, os.urandom(pages * PAGE))
+            w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image([(addr, pages, LAZY)]))
+            record = w.commit({"kind": "bench"})
+        plan = Path(settings.plans_dir) / "c0ffee"
+        (plan / "images").mkdir(parents=True)
+        (plan / "images" / "pagemap-42.img").write_bytes(pagemap_image([(addr, pages, LAZY)]))
+        (plan / "images" / "mm-42.img").write_bytes(mm_image([(addr, addr + pages * PAGE)]))
+        before = 0.0
+        if spare:
+            lazy.spare.prepare()
+            while lazy.spare.pid is None:
+                await asyncio.sleep(0.01)
+            before = await _settled(lazy.spare.pid)
+
+        async def exists() -> bool:
+            return True
+
+        t = time.monotonic()
+        await lazy.start("op", store, record, "bench/startup", "c", "c0ffee", str(plan), callers=False,
+                         exists=exists, memory=read_memory(store, record, ("c",))["c"])
+        session = lazy._by_op["op"][0]
+        work_dir = plan / "work"
+        assert await asyncio.to_thread(resumegate.ask, str(work_dir / resumegate.MEMORY_SOCKET_NAME)) == "ok"
+        proc.stdin.write(f"connect {work_dir / 'lazy-pages.socket'}\n")
+        proc.stdin.flush()
+        while not session.connected:
+            await asyncio.sleep(0.001)
+        took = time.monotonic() - t
+        assert session._source is not None
+        used = _cpu_seconds(session._source.pid) - before
+        assert await asyncio.to_thread(proc.stdout.readline) == "ok\n"
+        assert (await session.wait()).ok
+        await lazy.shutdown()
+        return (t, took), used
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _settled(pid: int) -> float:
+    """A spare's CPU seconds once it idles on its socket (its imports done): asleep, its CPU time unchanged."""
+    last, same = -1.0, 0
+    while same < 5:
+        await asyncio.sleep(0.05)
+        now = _cpu_seconds(pid)
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            asleep = fh.read().rsplit(b")", 1)[1].split()[0] == b"S"
+        same = same + 1 if now == last and asleep else 0
+        last = now
+    return last
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(args: argparse.Namespace) -> int:
     """bench/lazy_throughput.py once its arguments are parsed."""
     size = args.mib << 20
     given_back = memory_given_back()
     root = Path(tempfile.mkdtemp(prefix="na-lazy-throughput-"))
     rows: dict[str, list[tuple[float, dict[str, float | None]]]] = {}
+    startup: dict[str, list[tuple[Span, float]]] = {}
     try:
         pages = os.urandom(size)
         sizes = args.chunk_sizes or [DEFAULT_CHUNK_SIZE]
@@ -205,6 +291,8 @@ def main(args: argparse.Namespace) -> int:
                 rows.setdefault(name, []).append((took, cpu.span(start, start + took)))
 
             for n in range(args.runs):  # interleaved
+                for how in ("new process", "the spare"):
+                    startup.setdefault(how, []).append(_startup(root, how == "the spare"))
                 timed("read + verify", lambda: _read_verify(store, cid, size))
                 timed("UFFDIO_COPY", lambda: _copy(size))
                 timed("handler, idle", lambda: _handler(root, size // PAGE, read=False))
@@ -232,6 +320,11 @@ def main(args: argparse.Namespace) -> int:
         med = statistics.median(took for took, _ in samples)
         shares = [_median_pct([c[key] for _, c in samples]) for key in ("cpu_busy", "registry_cpu")]
         print(f"{name:<{width}}  {med:8.3f}  {size / med / 1e6:8.0f}  {shares[0]:>8}  {shares[1]:>8}")
+    print("page source start-up, from the session's start until it serves a restore that connects at once: "
+          "seconds, and the source's CPU seconds meanwhile")
+    for how, got in startup.items():
+        print(f"  {how:<12}  {statistics.median(span[1] for span, _ in got):6.3f} s  "
+              f"{statistics.median(used for _, used in got):5.2f} CPU s")
     return 0
 
 

@@ -40,6 +40,7 @@ from node_agent.config.schema import Settings
 from node_agent.lazy.kill import kill_container, stop_pod
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE
+from node_agent.lazy.spare import Spare
 from node_agent.lazy.staging import Memory
 from node_agent.lazy.support import lazy_restore_support
 from node_agent.replicas import ReplicaState, Replicas, sibling_reason
@@ -89,6 +90,22 @@ class LazyRestores:
         self._tasks: set[asyncio.Task[None]] = set()
         # Every session whose helpers still run.
         self._sessions: set[LazySession] = set()
+        # A page source started ahead, for the next session (`prepare`).
+        self.spare = Spare()
+
+    def prepare(self) -> None:
+        """Keep a page source started ahead (`spare`) where restores go through one: lazy restore possible here
+        (found out in the background) and not set to ``never``."""
+        if self.settings.lazy_restore != "auto":
+            return
+
+        async def keep() -> None:
+            if (await self.supported())[0]:
+                self.spare.prepare()
+
+        task = asyncio.create_task(keep(), name="page source spare")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def supported(self) -> tuple[bool, str]:
         """Whether this CRIU and kernel can restore lazily (`criu check --feature uffd-noncoop`), and why not."""
@@ -149,7 +166,7 @@ class LazyRestores:
                               origin=origin, passwords=passwords, hold=hold,
                               private_store=private is not None, exists=exists,
                               seal_key=seal_key, sandbox=replica.sandbox if replica is not None else "",
-                              pod_failed=self._pod_failed, filled=filled,
+                              pod_failed=self._pod_failed, filled=filled, spare=self.spare,
                               memory=memory if memory is not None else Memory(store, record))
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
@@ -183,6 +200,7 @@ class LazyRestores:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.spare.close()
 
     async def _pod_failed(self, session: LazySession, reason: str) -> int:
         """A connected container's memory cannot be restored: stop its pod's restored containers, it first.

@@ -9,7 +9,9 @@ before StartContainer:
    the session itself, where the wrapper asks first for the memory CRIU
    places itself (`staging`: held here, the plan holds none until then);
 2. the page source (`node_agent.lazy.source`), a separate process that
-   takes that socket and fills the processes' memory from the store;
+   takes that socket and fills the processes' memory from the store: the
+   agent's spare, started ahead with its imports done, or a new one
+   (`node_agent.lazy.spare`);
 3. for a full restore through the page source (`filled`), a second
    listening socket, ``work/resume.socket``, where the restore's pre-resume
    gate asks the source whether the processes may run.
@@ -42,7 +44,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from node_agent.config.schema import Settings
 from node_agent.lazy.fault_handler import SOCKET_NAME
 from node_agent.lazy.kill import kill_container
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE, peer_is_root
+from node_agent.lazy.spare import Spare, start_source
 from node_agent.lazy.staging import Memory
 from node_agent.store.ingest import Ingest
 from node_agent.store.sealing import SealKey
@@ -107,6 +109,8 @@ class LazySession:
     # The memory CRIU places itself, held until the wrapper asks for it on ``work/memory.socket`` just
     # before CRIU runs: then written into the plan's images (`staging`), whose pages files are not there.
     memory: Memory | None = None
+    # The agent's started, idle page source (`spare`), taken for this restore when there is one.
+    spare: Spare | None = None
     # (pages in, pages in all) as the source last reported them.
     progress: tuple[int, int] | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -185,19 +189,19 @@ class LazySession:
                 source_args += ["--resume-fd", str(gate.fileno())]
                 fds.append(gate.fileno())
             try:
-                # The background transfer yields to foreground work (the next
-                # restore, most of all): the source runs at the background
+                # The spare started ahead, or a new process (`spare`). A lazy
+                # transfer yields to foreground work (the next restore, most
+                # of all): the source lowers itself to the background
                 # priority (`background`).
-                self._source = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "node_agent.lazy.source",
-                    "--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
-                    "--images", self.images,
-                    "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
-                    "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
-                    "--start-timeout", str(self.settings.timeouts.lazy_start), *source_args,
-                    pass_fds=fds, start_new_session=True,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errlog,
-                )
+                argv = ["--store", self.store_root, "--checkpoint", self.checkpoint_id, "--container", self.container,
+                        "--images", self.images,
+                        "--listen-fd", str(listener.fileno()), "--control-fd", str(theirs.fileno()),
+                        "--runc-root", self.settings.runc_root, "--container-id", self.container_id,
+                        "--start-timeout", str(self.settings.timeouts.lazy_start), *source_args]
+                if self.spare is not None:
+                    self._source, ahead = await self.spare.launch(argv, fds, errlog)
+                else:
+                    self._source, ahead = await start_source(argv, fds, errlog), False
             finally:
                 os.close(errlog)
             if self.hold is not None:
@@ -228,8 +232,9 @@ class LazySession:
         except OSError:
             pass  # the source is gone already: the guard reports it
         self._task = asyncio.create_task(self._guard(), name=f"lazy {self.container_id[:13]}")
-        log.info("restore of pod %s, container %s: page source ready, waiting for the restored "
-                 "process (StartContainer, within %gs)", self.pod, self.container, self.settings.timeouts.lazy_start,
+        log.info("restore of pod %s, container %s: page source %d (%s), waiting for the restored "
+                 "process (StartContainer, within %gs)", self.pod, self.container, self._source.pid,
+                 "started ahead" if ahead else "started now", self.settings.timeouts.lazy_start,
                  extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
 
     async def _serve_memory(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

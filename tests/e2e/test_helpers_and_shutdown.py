@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from criu_bridge.watchdog import proc_argv
 from testbed.bed import (
     NODE_AGENT, Bed, PodHandle, answers, ask, container_config, container_detail, counter_pod, freezer_state,
     make_pod, pod_detail, pods_in, remove_pod, start_refusal, ticks, volume_holder_pod, wait_for,
@@ -74,6 +75,33 @@ def _sigterm_and_time(bed: Bed) -> float:
     assert rc == 0, f"serve exited {rc}:\n{bed.tail_log()}"
     assert took <= CLEANUP + 5, f"serve took {took:.1f}s to exit (limit {CLEANUP + 5}s):\n{bed.tail_log()}"
     return took
+
+
+def _spares(bed: Bed) -> list[tuple[int, int]]:
+    """(pid, start) of the agent's spare page sources: its children waiting to become one (node_agent.lazy.spare)."""
+    assert bed.agent is not None
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == bed.agent.pid and "node_agent.lazy.spare" in proc_argv(int(entry)):
+            out.append((int(entry), int(fields[19])))
+    return out
+
+
+def _ended(pid: int, start: int) -> bool:
+    """Whether that process has ended (a zombie not reaped yet has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return True
+    return int(fields[19]) != start or fields[0] in (b"Z", b"X")
 
 
 def _memhog(bed: Bed, namespace: str, mib: int) -> PodHandle:
@@ -157,8 +185,14 @@ def test_start_up_recovery_ends_this_agents_stray_helpers_and_no_others(short: B
         out = short.cli("restore", ckpt, "--namespace", "e2e-help4-dst", "--lazy").stdout.split()
         new_pod = out[0]
         assert lazy_helpers(short)
+        # Every container's page source shows as one (a spare taken shows its source's command line once its
+        # imports are done), so that the spares left are the ones waiting.
+        wait_for(lambda: len(lazy_helpers(short)) == len(src.containers), what="every container's page source")
+        spares = wait_for(lambda: _spares(short), timeout=30, what="the agent's next spare page source")
         short.kill_agent()  # no shutdown: its helpers stay behind
         assert lazy_helpers(short)
+        # A spare serves nothing: it ends when its agent is gone (its socket closes).
+        wait_for(lambda: all(_ended(*s) for s in spares), timeout=10, what="the killed agent's spare to end")
         short.start_agent()
         wait_for(lambda: not lazy_helpers(short), timeout=10, what="stray helpers ended at start-up")
         assert other.poll() is None, "recovery ended another agent's helper"
@@ -176,7 +210,11 @@ def test_start_up_recovery_ends_this_agents_stray_helpers_and_no_others(short: B
 
 def test_idle_serve_exits_at_once(short: Bed) -> None:
     AgentLog(short)  # the agent is up and serving (the fixture waited for its sockets)
+    # It keeps one page source started ahead of the next restore; the spare ends with it.
+    spares = wait_for(lambda: _spares(short), timeout=30, what="the agent's spare page source")
+    assert len(spares) == 1, spares
     assert _sigterm_and_time(short) < 3
+    assert all(_ended(*s) for s in spares), "the spare outlived the agent"
 
 
 def test_serve_exits_in_time_mid_dump_and_leaves_the_pod_thawed(short: Bed) -> None:
