@@ -94,23 +94,17 @@ class LazyRestores:
         self.spare = Spare()
 
     def prepare(self) -> None:
-        """Keep a page source started ahead (`spare`) where restores go through one: lazy restore possible here
-        (found out in the background) and not set to ``never``."""
-        if self.settings.lazy_restore != "auto":
-            return
-
-        async def keep() -> None:
-            if (await self.supported())[0]:
-                self.spare.prepare()
-
-        task = asyncio.create_task(keep(), name="page source spare")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Keep a page source started ahead (`spare`) unless lazy restore is set to ``never``. Whether CRIU and
+        the kernel allow it is learnt at the first restore (`supported`): where they do not, the spare goes."""
+        if self.settings.lazy_restore == "auto":
+            self.spare.prepare()
 
     async def supported(self) -> tuple[bool, str]:
         """Whether this CRIU and kernel can restore lazily (`criu check --feature uffd-noncoop`), and why not."""
         if self._support is None:
             self._support = await asyncio.to_thread(lazy_restore_support, self.settings.criu, 30.0)
+            if not self._support[0]:
+                await self.spare.close()  # no restore here goes through a page source
         return self._support
 
     async def wanted(self, asked: bool | None, record: CheckpointRecord) -> bool:

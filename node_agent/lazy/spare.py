@@ -18,8 +18,9 @@ restore's page source, as if started for it. A new spare is then started.
 
 Nothing depends on the spare: when there is none (not started yet, or it
 died), the source is started as a new process with the same arguments. A
-spare never taken ends when its socket closes: when the agent lets go
-(`Spare.close`) or when the agent is gone, whatever ended it.
+spare never taken ends with the agent: killed when the agent stops
+(`Spare.close`), and by itself when its socket closes because the agent is
+gone, whatever ended it.
 
 A spare that becomes a page source takes that source's command line
 (`retitle`), so ``ps`` shows which plan it serves and a later agent finds
@@ -136,7 +137,8 @@ class Spare:
         return proc
 
     async def close(self) -> None:
-        """Let the spare go (the agent stops): it reads the end of its socket and exits."""
+        """End the spare (the agent stops). It serves nothing and holds nothing: it is killed, not waited for
+        (one still importing at the idle priority would take long to read the end of its socket)."""
         self._closed = True
         if self._starting is not None:
             await asyncio.gather(self._starting, return_exceptions=True)
@@ -145,7 +147,9 @@ class Spare:
         if job is not None:
             job.close()
         if proc is not None:
-            await _reap(proc)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
         await asyncio.gather(*self._reaping, return_exceptions=True)
 
 
@@ -158,7 +162,7 @@ async def start_source(argv: list[str], fds: list[int], stderr: int) -> asyncio.
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:
-    """Wait for a spare to exit (it does when its socket closes), killing it after a while."""
+    """Wait for a spare to exit (it does when its socket closes, or killed), killing it after a while."""
     try:
         async with asyncio.timeout(5):
             await proc.wait()

@@ -83,7 +83,7 @@ async def test_the_spare_becomes_the_restores_page_source_and_a_new_one_waits(po
     spare = pod.lazy.spare._proc
     assert spare is not None and spare.pid == second
     await pod.lazy.shutdown()
-    assert spare.returncode == 0  # let go: it read the end of its socket and exited
+    assert spare.returncode is not None  # it ended with the agent's lazy restores
 
 
 async def test_a_spare_that_died_is_replaced_by_a_new_source(pod: Pod) -> None:
@@ -134,3 +134,17 @@ def test_a_job_is_mapped_to_the_descriptors_received_and_a_malformed_one_refused
     finally:
         os.close(a)
         os.close(b)
+
+
+async def test_no_spare_is_kept_where_restores_cannot_go_through_a_page_source(
+        pod: Pod, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("node_agent.lazy.restores.lazy_restore_support", lambda criu, timeout: (False, "no uffd"))
+    pod.lazy.prepare()
+    first = await _spare_up(pod.lazy.spare)
+    proc = pod.lazy.spare._proc
+    assert proc is not None and proc.pid == first
+    assert await pod.lazy.supported() == (False, "no uffd")  # the first restore asks
+    assert proc.returncode is not None and pod.lazy.spare.pid is None
+    pod.lazy.prepare()  # asked again (the agent restarted its lazy restores): still none
+    starting = pod.lazy.spare._starting
+    assert pod.lazy.spare.pid is None and (starting is None or starting.done())
