@@ -18,9 +18,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import psutil
 
 from bench.harness.machine import memory_given_back
 from bench.scenarios.crossnode_paths import CpuLog, get_bound
@@ -124,15 +126,36 @@ def _copy(size: int) -> Span:
         libc.munmap(addr, size)
 
 
-def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) -> Span:
-    """The fault handler filling a process of ``pages`` pages from a store of its own, or, with ``remote``,
-    from a new lazy pull of the registry's checkpoint."""
+@contextlib.contextmanager
+def _uffd_process(root: Path, pages: int) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+    """A process as CRIU's restore leaves one (testbed/lazyimages.py's UFFD_PROCESS) with ``pages`` pages of
+    memory missing at the address it reports, and a work dir under ``root``; both gone afterwards."""
     proc = subprocess.Popen([sys.executable, str(UFFD_PROCESS), "42", str(pages)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     work = Path(tempfile.mkdtemp(dir=root))
     try:
-        addr = int(proc.stdout.readline(), 16)
+        yield proc, int(proc.stdout.readline(), 16), work
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _plan_images(images: Path, addr: int, pages: int) -> None:
+    """Task 42's pagemap and memory map in a restore plan's ``images``: ``pages`` lazy pages at ``addr``."""
+    images.mkdir(parents=True)
+    (images / "pagemap-42.img").write_bytes(pagemap_image([(addr, pages, LAZY)]))
+    (images / "mm-42.img").write_bytes(mm_image([(addr, addr + pages * PAGE)]))
+
+
+def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) -> Span:
+    """The fault handler filling a process of ``pages`` pages from a store of its own, or, with ``remote``,
+    from a new lazy pull of the registry's checkpoint."""
+    with _uffd_process(root, pages) as (proc, addr, work):
+        assert proc.stdin is not None and proc.stdout is not None
         if remote is None:
             store = Store(work / "store")
             with store.writer() as w:
@@ -142,9 +165,7 @@ def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) 
             store, cid, origin = remote.pulled(work / "store")
             lanes = remote.settings.connections
         images = work / "images"
-        images.mkdir()
-        (images / "pagemap-42.img").write_bytes(pagemap_image([(addr, pages, LAZY)]))
-        (images / "mm-42.img").write_bytes(mm_image([(addr, addr + pages * PAGE)]))
+        _plan_images(images, addr, pages)
         source = Source(store, cid, "c", str(images), origin, lanes=lanes)
         handler = Handler(source.maps, source.files, str(images), lambda fd, task: None)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -173,12 +194,6 @@ def _handler(root: Path, pages: int, read: bool, remote: _Remote | None = None) 
         source.close()
         listener.close()
         return took[0]
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdin.close()
-        proc.stdout.close()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _startup(root: Path, spare: bool) -> tuple[Span, float]:
@@ -189,30 +204,24 @@ def _startup(root: Path, spare: bool) -> tuple[Span, float]:
 
 
 async def _startup_async(root: Path, spare: bool) -> tuple[Span, float]:
-    work = Path(tempfile.mkdtemp(dir=root, prefix="s"))
-    settings = from_mapping({"store": str(work / "s"), "runc-root": str(work / "r")})
-    lazy = LazyRestores(settings)
     pages = 256
-    proc = subprocess.Popen([sys.executable, str(UFFD_PROCESS), "42", str(pages)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        addr = int(proc.stdout.readline(), 16)
+    with _uffd_process(root, pages) as (proc, addr, work):
+        assert proc.stdin is not None and proc.stdout is not None
+        settings = from_mapping({"store": str(work / "s"), "runc-root": str(work / "r")})
+        lazy = LazyRestores(settings)
         store = Store(settings.store)
         with store.writer() as w:
             w.add_bytes(PAGES_PATH, os.urandom(pages * PAGE))
             w.add_bytes("containers/c/checkpoint/pagemap-42.img", pagemap_image([(addr, pages, LAZY)]))
             record = w.commit({"kind": "bench"})
         plan = Path(settings.plans_dir) / "c0ffee"
-        (plan / "images").mkdir(parents=True)
-        (plan / "images" / "pagemap-42.img").write_bytes(pagemap_image([(addr, pages, LAZY)]))
-        (plan / "images" / "mm-42.img").write_bytes(mm_image([(addr, addr + pages * PAGE)]))
+        _plan_images(plan / "images", addr, pages)
         before = 0.0
         if spare:
             lazy.spare.prepare()
-            while lazy.spare.pid is None:
+            while (pid := lazy.spare.pid) is None:
                 await asyncio.sleep(0.01)
-            before = await _settled(lazy.spare.pid)
+            before = await _settled(pid)
 
         async def exists() -> bool:
             return True
@@ -234,31 +243,23 @@ async def _startup_async(root: Path, spare: bool) -> tuple[Span, float]:
         assert (await session.wait()).ok
         await lazy.shutdown()
         return (t, took), used
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdin.close()
-        proc.stdout.close()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 async def _settled(pid: int) -> float:
     """A spare's CPU seconds once it idles on its socket (its imports done): asleep, its CPU time unchanged."""
+    spare = psutil.Process(pid)
     last, same = -1.0, 0
     while same < 5:
         await asyncio.sleep(0.05)
         now = _cpu_seconds(pid)
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            asleep = fh.read().rsplit(b")", 1)[1].split()[0] == b"S"
-        same = same + 1 if now == last and asleep else 0
+        same = same + 1 if now == last and spare.status() == psutil.STATUS_SLEEPING else 0
         last = now
     return last
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        fields = fh.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def main(args: argparse.Namespace) -> int:

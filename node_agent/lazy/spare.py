@@ -199,7 +199,8 @@ def receive(job: socket.socket) -> tuple[list[str], int] | None:
     """The job a spare is sent: its page source's options, with every ``--*-fd`` value mapped to the descriptor
     received, and the descriptor for its standard error; None when the agent closed the socket instead.
 
-    Raises ValueError for anything else (the descriptors received are closed then).
+    Raises ValueError for anything else, OSError when the socket fails (the descriptors received are closed
+    then).
     """
     buf = b""
     got: list[int] = []
@@ -215,7 +216,7 @@ def receive(job: socket.socket) -> tuple[list[str], int] | None:
         if not buf and not got:
             return None
         doc = json.loads(buf)
-        argv, theirs = doc.get("argv"), doc.get("fds")
+        argv, theirs = (doc.get("argv"), doc.get("fds")) if isinstance(doc, dict) else (None, None)
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
                 and isinstance(theirs, list) and all(type(n) is int for n in theirs)
                 and len(got) == len(theirs) + 1):
@@ -230,7 +231,7 @@ def receive(job: socket.socket) -> tuple[list[str], int] | None:
                         raise ValueError(f"{a} {number} names no descriptor sent")
                     out[i + 1] = str(mapping[number])
         return out, got[-1]
-    except (ValueError, OSError, AttributeError):
+    except (ValueError, OSError):
         for fd in got:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     job = socket.socket(fileno=args.job_fd)
     try:
         got = receive(job)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"page source spare: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from criu_bridge.watchdog import proc_argv
 from testbed.bed import (
     NODE_AGENT, Bed, PodHandle, answers, ask, container_config, container_detail, counter_pod, freezer_state,
     make_pod, pod_detail, pods_in, remove_pod, start_refusal, ticks, volume_holder_pod, wait_for,
@@ -77,31 +77,18 @@ def _sigterm_and_time(bed: Bed) -> float:
     return took
 
 
-def _spares(bed: Bed) -> list[tuple[int, int]]:
-    """(pid, start) of the agent's spare page sources: its children waiting to become one (node_agent.lazy.spare)."""
+def _spares(bed: Bed) -> list[psutil.Process]:
+    """The agent's spare page sources: its children waiting to become one (node_agent.lazy.spare)."""
     assert bed.agent is not None
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == bed.agent.pid and "node_agent.lazy.spare" in proc_argv(int(entry)):
-            out.append((int(entry), int(fields[19])))
-    return out
+    return [p for p in psutil.Process(bed.agent.pid).children() if "node_agent.lazy.spare" in p.cmdline()]
 
 
-def _ended(pid: int, start: int) -> bool:
+def _ended(proc: psutil.Process) -> bool:
     """Whether that process has ended (a zombie not reaped yet has ended too)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except OSError:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
-    return int(fields[19]) != start or fields[0] in (b"Z", b"X")
 
 
 def _memhog(bed: Bed, namespace: str, mib: int) -> PodHandle:
@@ -192,7 +179,7 @@ def test_start_up_recovery_ends_this_agents_stray_helpers_and_no_others(short: B
         short.kill_agent()  # no shutdown: its helpers stay behind
         assert lazy_helpers(short)
         # A spare serves nothing: it ends when its agent is gone (its socket closes).
-        wait_for(lambda: all(_ended(*s) for s in spares), timeout=10, what="the killed agent's spare to end")
+        wait_for(lambda: all(_ended(p) for p in spares), timeout=10, what="the killed agent's spare to end")
         short.start_agent()
         wait_for(lambda: not lazy_helpers(short), timeout=10, what="stray helpers ended at start-up")
         assert other.poll() is None, "recovery ended another agent's helper"
@@ -214,7 +201,7 @@ def test_idle_serve_exits_at_once(short: Bed) -> None:
     spares = wait_for(lambda: _spares(short), timeout=30, what="the agent's spare page source")
     assert len(spares) == 1, spares
     assert _sigterm_and_time(short) < 3
-    assert all(_ended(*s) for s in spares), "the spare outlived the agent"
+    assert all(_ended(p) for p in spares), "the spare outlived the agent"
 
 
 def test_serve_exits_in_time_mid_dump_and_leaves_the_pod_thawed(short: Bed) -> None:

@@ -123,6 +123,7 @@ def test_a_job_is_mapped_to_the_descriptors_received_and_a_malformed_one_refused
             ({"argv": ["--listen-fd", "99"], "fds": [a]}, [a, b]),  # names a descriptor not sent
             ({"argv": ["--listen-fd", str(a)], "fds": [a]}, [a]),  # no standard error
             ({"argv": "--listen-fd", "fds": []}, [b]),
+            (["--listen-fd"], [b]),  # not an object
         ):
             with pytest.raises(ValueError):
                 sent(doc, fds)
