@@ -87,6 +87,19 @@ def test_containers_without_a_plan_pass_straight_through(env: dict[str, Path]) -
     assert _argv(env) == ["--root", "/r", "state", CID]
 
 
+def test_the_launcher_starts_without_the_site_module(tmp_path: Path) -> None:
+    """containerd runs it for every runc call: the interpreter's .pth files (an editable install's import hook)
+    are not processed, and criu_bridge is found where the installing interpreter found it."""
+    launcher = tmp_path / "node-agent-runc"
+    wrapper.install(str(launcher), python=sys.executable, runc="/bin/true", plans_dir=str(tmp_path))
+    text = launcher.read_text()
+    assert text.splitlines()[0] == f"#!{sys.executable} -IS"
+    assert wrapper.launcher_settings(str(launcher)) == ("/bin/true", str(tmp_path))
+    probe = text.replace("sys.exit(main(", "print('site' in sys.modules, main.__module__)\nsys.exit(0 and main(")
+    out = subprocess.run([sys.executable, "-IS", "-c", probe], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split() == ["False", "criu_bridge.wrapper"]
+
+
 def test_create_with_a_plan_restores(env: dict[str, Path]) -> None:
     d = _plan(env)
     log = env["tmp"] / "log.json"
