@@ -443,11 +443,11 @@ LAUNCHER = """#!{python} -IS
 import sys
 sys.path.append({where!r})
 try:
-    from criu_bridge.wrapper import main
+    import criu_bridge
 except ImportError:  # installed as a package of that interpreter only
     import site
     site.main()
-    from criu_bridge.wrapper import main
+from criu_bridge.wrapper import main
 sys.exit(main({runc!r}, {plans!r}))
 """
 """The launcher runs without the site module (-S): containerd starts it for every runc call of the handler's

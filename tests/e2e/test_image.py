@@ -104,7 +104,7 @@ def test_init_container_install_gives_the_host_a_runnable_wrapper(image: str, tm
               "--criu-bundle", "/opt/node-agent/criu", mounts=[f"{host}:/host"])
     assert cp.returncode == 0, cp.stdout + cp.stderr
     wrapper = host / "var/lib/node-agent/bin/node-agent-runc"
-    assert wrapper.read_text().startswith("#!/opt/node-agent/runtime/bin/python3 -I\n")
+    assert wrapper.read_text().startswith("#!/opt/node-agent/runtime/bin/python3 -IS\n")
     python = host / "opt/node-agent/runtime/bin/python3"
     out = subprocess.run([str(python), "-I", str(wrapper), "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "runc version" in out.stdout, out.stderr
@@ -130,7 +130,7 @@ def test_a_pod_restores_through_the_image_host_runtime(image: str, ship_bed: Bed
     cp = subprocess.run([NODE_AGENT, "containerd-config", "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stderr
     wrapper = Path(ship_bed.store) / "bin" / "node-agent-runc"
-    assert wrapper.read_text().startswith(f"#!{python} -I\n")
+    assert wrapper.read_text().startswith(f"#!{python} -IS\n")
     ship_bed.start_agent()
     try:
         src = counter_pod(ship_bed, "e2e-ship", mib=8)
@@ -146,7 +146,7 @@ def test_a_pod_restores_through_the_image_host_runtime(image: str, ship_bed: Bed
                 wait_for(lambda: len(ticks(restored.log_path)) >= 3, what="restored ticks")
                 assert ticks(restored.log_path)[0] > 5  # it went on, it did not start over
                 # The wrapper was not rewritten by the agent.
-                assert wrapper.read_text().startswith(f"#!{python} -I\n")
+                assert wrapper.read_text().startswith(f"#!{python} -IS\n")
             finally:
                 remove_pod(ship_bed, new_pod)
         finally:

@@ -190,7 +190,7 @@ def test_install_handler_with_a_runtime_bundle(tmp_path: Path) -> None:
     assert cp.returncode == 0, cp.stderr
     assert (root / "opt/node-agent/runtime/bin/python3").is_file()
     wrapper = (root / "var/lib/na/bin/node-agent-runc").read_text()
-    assert wrapper.startswith("#!/opt/node-agent/runtime/bin/python3 -I\n")
+    assert wrapper.startswith("#!/opt/node-agent/runtime/bin/python3 -IS\n")
     assert not (root / "etc/systemd").exists()
     assert (root / "usr/local/sbin/criu").is_file()
 
@@ -209,7 +209,7 @@ def test_runtime_bundle_and_wrapper_python_must_agree(tmp_path: Path) -> None:
     # Without a bundle, wrapper-python names the host's interpreter.
     inst.install_handler(str(tmp_path / "r"), Settings(runc=RUNC, wrapper_python="/usr/bin/python3"), criu_bundle="none",
                          config_version=2)
-    assert (tmp_path / "r/var/lib/node-agent/bin/node-agent-runc").read_text().startswith("#!/usr/bin/python3 -I\n")
+    assert (tmp_path / "r/var/lib/node-agent/bin/node-agent-runc").read_text().startswith("#!/usr/bin/python3 -IS\n")
 
 
 CONTAINERD2_CONFIG = """\
