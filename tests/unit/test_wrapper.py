@@ -98,6 +98,11 @@ def test_the_launcher_starts_without_the_site_module(tmp_path: Path) -> None:
     probe = text.replace("sys.exit(main(", "print('site' in sys.modules, main.__module__)\nsys.exit(0 and main(")
     out = subprocess.run([sys.executable, "-IS", "-c", probe], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.split() == ["False", "criu_bridge.wrapper"]
+    # Another interpreter is not given the agent's directory (in a DaemonSet, a path inside the agent's image).
+    other = tmp_path / "other-runc"
+    wrapper.install(str(other), python="/opt/node-agent/runtime/bin/python3", runc="/bin/true", plans_dir=str(tmp_path))
+    assert "sys.path.append" not in other.read_text() and "sys.path.append" in text
+    assert wrapper.launcher_settings(str(other)) == ("/bin/true", str(tmp_path))
 
 
 def test_create_with_a_plan_restores(env: dict[str, Path]) -> None:
