@@ -46,13 +46,19 @@ _MAX_LINE = 1 << 16
 
 
 def script(python: str, work: str) -> str:
-    """The action script the wrapper writes for CRIU: the gate at ``pre-resume``, nothing at the other points."""
+    """The action script the wrapper writes for CRIU: the gate at ``pre-resume``, nothing at the other points.
+
+    The gate starts inside the filled restore's transfer, which keeps every core busy, so it starts as the
+    wrapper's launcher does: without the site module (``-S``, no ``.pth`` file processed), finding
+    criu_bridge where the wrapper's own interpreter found this module."""
     import shlex
 
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import sys; sys.path.append({home!r}); from criu_bridge.resumegate import main; sys.exit(main())"
     return ("#!/bin/sh\n"
             "# The pre-resume gate of a filled restore (criu_bridge.resumegate), written by the restore's wrapper.\n"
             f'[ "$CRTOOLS_SCRIPT_ACTION" = {ACTION} ] || exit 0\n'
-            f"exec {shlex.quote(python)} -I -m criu_bridge.resumegate {shlex.quote(work)}\n")
+            f"exec {shlex.quote(python)} -IS -c {shlex.quote(code)} {shlex.quote(work)}\n")
 
 
 def ask(path: str, ended: str = "the page source ended before every page was in",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -84,6 +85,18 @@ def test_the_gate_waits_for_the_page_source_only_at_pre_resume(work: tuple[Path,
     answered.join()
     assert r.returncode == 0, r.stderr
     assert not (path / resumegate.FAILED_NAME).exists()
+
+
+def test_the_gate_starts_without_the_site_module(tmp_path: Path) -> None:
+    """It starts inside a filled restore's transfer: no .pth file processed, criu_bridge found where the
+    wrapper's interpreter found it."""
+    text = resumegate.script(sys.executable, str(tmp_path))
+    exec_line = text.splitlines()[-1]
+    assert exec_line.startswith(f"exec {sys.executable} -IS -c ")
+    code = shlex.split(exec_line)[4]
+    probe = code.replace("sys.exit(main())", "print('site' in sys.modules, main.__module__)")
+    out = subprocess.run([sys.executable, "-IS", "-c", probe], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split() == ["False", "criu_bridge.resumegate"]
 
 
 def test_the_gate_refuses_to_let_go_when_the_page_source_fails_or_is_gone(work: tuple[Path, socket.socket]) -> None:
