@@ -193,6 +193,9 @@ def test_rotation_old_keys_keep_reading(tmp_path: Path) -> None:
         with store.open(cid, "d/zeros.img") as r:
             assert r.read() == (src / "d" / "zeros.img").read_bytes()
     assert Store(root, keys=StaticKeyring([KEY_A2])).get(old).locked
+    # Documents a store kept open only while a key source still has their key.
+    store.chunks.keys = StaticKeyring([KEY_A2])
+    assert store.get(old).locked and not store.get(new).locked
 
 
 def test_copy_reseals_under_a_new_key_keeping_files_metadata_and_created(tmp_path: Path) -> None:

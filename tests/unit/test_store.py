@@ -562,6 +562,33 @@ def test_corrupt_blob_detected_everywhere(small_store: Store, tmp_path: Path) ->
     assert len(reasons) == 3
 
 
+def test_documents_are_decoded_once_while_their_files_stay_the_same(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = _commit_bytes(store, {"a": os.urandom(3000), "b": b"bee"}, {"pod": "ns/p", "containers": [{"name": "c"}]})
+    decoded: list[str] = []
+    real = index_mod.decode_manifest
+    monkeypatch.setattr(index_mod, "decode_manifest", lambda *a, **k: decoded.append("m") or real(*a, **k))
+    first = store.get(rec.id)
+    again = store.get(rec.id)
+    assert decoded == ["m"] and again.files == first.files and again.metadata == first.metadata
+    # Each caller gets its own metadata: changing one's nested values changes no other's.
+    first.metadata["containers"][0]["name"] = "changed"
+    assert store.get(rec.id).metadata["containers"][0]["name"] == "c"
+    assert decoded == ["m"]
+
+    # A blob written in place is read (and refused) again; one restored is decoded again.
+    path = Path(store.blob_path(rec.id))
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + b" ")  # the same size
+    with pytest.raises(DataLoss, match="hashes to"):
+        store.get(rec.id)
+    path.write_bytes(good)
+    assert store.get(rec.id).metadata["pod"] == "ns/p" and decoded == ["m", "m"]
+    config = store.descriptors(rec.id)[0]
+    os.unlink(store.blob_path(config.digest))
+    with pytest.raises(DataLoss, match="config"):
+        store.get(rec.id)
+
+
 def test_corrupt_compressed_blob_and_missing_config(store: Store, tmp_path: Path) -> None:
     text = b"all work and no play " * 200_000
     rec = _commit_bytes(store, {"t": text})
@@ -1031,17 +1058,18 @@ def test_hostile_document_bytes(store: Store, raw: bytes) -> None:
 def test_document_limits(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     cid = _publish_docs(store, _config_doc([_file(path=f"f{i}") for i in range(4)]), None, [_LAYER], _CHUNK_DATA)
     store.get(cid)
+    # Each limit as another agent built with it would load the checkpoint (a store decodes a checkpoint once).
     monkeypatch.setattr(manifest_mod, "MAX_ENTRIES", 3)
     with pytest.raises(DataLoss, match="limit of 3"):
-        store.get(cid)
+        Store(store.root).get(cid)
     monkeypatch.undo()
     monkeypatch.setattr(manifest_mod, "MAX_CONFIG_BYTES", 100)
     with pytest.raises(DataLoss, match="limit"):
-        store.get(cid)
+        Store(store.root).get(cid)
     monkeypatch.undo()
     monkeypatch.setattr(index_mod, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(DataLoss, match="limit"):
-        store.get(cid)
+        Store(store.root).get(cid)
     monkeypatch.undo()
     # a manifest blob that does not hash to its name
     path = Path(store.blob_path(cid))
