@@ -14,22 +14,21 @@ images) are a list of objects:
 ``{"path": container path, "host": host path, "kind": "flock"|"posix"|"ofd",
 "write": bool, "start": int, "len": int (0: to the end)}``.
 
-Standard library only (the restore wrapper uses it).
+Standard library only (the restore wrapper uses it; a named tuple, as in `taskimages`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 PROC_LOCKS = "/proc/locks"
 KINDS = ("flock", "posix", "ofd")
 _EOF = (1 << 63) - 1
 
 
-@dataclass(frozen=True)
-class Held:
+class Held(NamedTuple):
     """One lock the kernel reports as held."""
 
     kind: str  # flock / posix / ofd

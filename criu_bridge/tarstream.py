@@ -24,7 +24,7 @@ Writing is `tarwrite`'s. Standard library only; it never touches the filesystem.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import InvalidInput, LimitExceeded
 
@@ -450,8 +450,7 @@ class TarStream:
         return Header(name, link, kind, size, block, pax, xattrs)
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(NamedTuple):
     """One member as `MemberReader` reports it. `name` and `linkname` are raw bytes, `mtime` whole seconds."""
 
     name: bytes
