@@ -51,8 +51,12 @@ class CheckpointFlags:
         return out
 
     def criu_config(self) -> str:
-        """The CRIU configuration file of a dump with these flags (see CRIU_CONFIG_FILE)."""
-        return "".join(f"{line}\n" for line in (SKIP_IN_FLIGHT, *(["tcp-close"] if self.tcp_close else [])))
+        """The CRIU configuration file of a dump with these flags (see CRIU_CONFIG_FILE): in-flight connections
+        skipped, and without `tcp-established` connections closed where held and no network lock."""
+        lines = [SKIP_IN_FLIGHT, *(["tcp-close"] if self.tcp_close else [])]
+        if not self.tcp_established:
+            lines.append(NETWORK_LOCK_SKIP)
+        return "".join(f"{line}\n" for line in lines)
 
     def as_options(self) -> dict[str, str]:
         return {n: "true" for n in (*CHECKPOINT_OPTIONS, *RECORDED_OPTIONS) if getattr(self, n.replace("-", "_"))}
@@ -70,6 +74,15 @@ CRIU_CONFIG_FILE = "criu.conf"
 # --tcp-skip-in-flight flag, false unless given), which overrides the file;
 # older runcs send nothing, and the file sets it.
 SKIP_IN_FLIGHT = "skip-in-flight"
+# A dump that does not keep connections open takes no network lock: CRIU's
+# lock only keeps packets from changing the TCP state it dumps with
+# `tcp-established`, and restores made from it (they use the dump's method,
+# recorded in the images) restore none open either. The lock ran
+# iptables-restore and ip6tables-restore twice to take it and five processes
+# to release it: inside the frozen window at the dump (the source pod, which
+# runs on, saw its packets dropped meanwhile), and on the restore's path
+# before StartContainer returns (some 60 ms here).
+NETWORK_LOCK_SKIP = "network-lock skip"
 RUNC_SKIP_IN_FLIGHT = "--tcp-skip-in-flight"
 
 

@@ -69,8 +69,10 @@ def test_tcp_close_is_recorded_never_asked_for() -> None:
     flags = CheckpointFlags(file_locks=True, tcp_close=True)
     assert flags.as_options() == {"file-locks": "true", "tcp-close": "true"}
     assert flags.runc_args() == ["--file-locks"]  # runc has no flag for it
-    assert flags.criu_config() == "skip-in-flight\ntcp-close\n"
-    assert CheckpointFlags().criu_config() == "skip-in-flight\n"
+    assert flags.criu_config() == "skip-in-flight\ntcp-close\nnetwork-lock skip\n"
+    assert CheckpointFlags().criu_config() == "skip-in-flight\nnetwork-lock skip\n"
+    # Only a dump of connections kept open takes CRIU's network lock (and its restores, by the images).
+    assert CheckpointFlags(tcp_established=True).criu_config() == "skip-in-flight\n"
     assert parse_options({"file-locks": "true", "tcp-close": "true"}) == flags  # what a checkpoint recorded
     with pytest.raises(errors.InvalidArgument) as e:
         parse_all_options({"tcp-close": "true"})  # what a caller asks for
@@ -98,5 +100,5 @@ def test_runc_checkpoint_skips_in_flight_connections_with_either_runc(tmp_path: 
     argv = record.read_text().splitlines()
     assert argv[:2] == ["--root", "/r"] and argv[-1] == "c1" and "--file-locks" in argv
     assert ("--tcp-skip-in-flight" in argv) is knows  # runc 1.3 sends the option itself (false unless given)
-    assert Path(f"{record}.conf").read_text() == "skip-in-flight\ntcp-close\n"
-    assert (tmp_path / "work" / "criu.conf").read_text() == "skip-in-flight\ntcp-close\n"
+    assert Path(f"{record}.conf").read_text() == "skip-in-flight\ntcp-close\nnetwork-lock skip\n"
+    assert (tmp_path / "work" / "criu.conf").read_text() == "skip-in-flight\ntcp-close\nnetwork-lock skip\n"
