@@ -332,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             origin = None
         source = Source(store, args.checkpoint, args.container, args.images, origin,
                         lanes=settings.connections if settings is not None else 1)
+
+        def hand_over(fd: int, task: int) -> None:
+            with telling:
+                _tell(ctrl, {"event": "uffd", "task": task}, [fd])
+
+        handler = Handler(source.maps, source.files, args.images, hand_over)
+        handler.prepare()
         log.info("ready: %d pages of %d tasks to fill, %.3fs after this process started", source.total,
                  len(source.files), _since_started())
         try:
@@ -342,12 +349,6 @@ def main(argv: list[str] | None = None) -> int:
                 os.unlink(socket_path)
         log.info("the restore connected")
         _tell(ctrl, {"event": "connected"})
-
-        def hand_over(fd: int, task: int) -> None:
-            with telling:
-                _tell(ctrl, {"event": "uffd", "task": task}, [fd])
-
-        handler = Handler(source.maps, source.files, args.images, hand_over)
         start = time.monotonic()
         over = threading.Event()
         threading.Thread(target=_report_progress, args=(ctrl, telling, handler, over), name="progress",

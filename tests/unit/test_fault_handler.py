@@ -67,14 +67,19 @@ class Restored:
         assert answer, f"the process died on {line!r} (exit {self.proc.poll()})"
         return answer
 
-    def serve(self, source: Source, linger: threading.Event | None = None, command: str = "connect") -> None:
+    def serve(self, source: Source, linger: threading.Event | None = None, command: str = "connect",
+              prepared: Callable[[], object] | None = None) -> None:
         """Run the handler on ``source`` in a thread; with ``linger``, it then answers the faults left (zero
         pages) until that is set, as the page source does until the agent lets it go. ``command``: how the
-        process hands its memory over (``hand-over``: the restore is not finished yet)."""
+        process hands its memory over (``hand-over``: the restore is not finished yet). ``prepared`` runs once
+        the handler has prepared, before the process connects."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.sock)
         listener.listen(1)
         self.handler = Handler(source.maps, source.files, str(self.images), lambda fd, task: self.handed.append(task))
+        self.handler.prepare()  # as the page source does, before it waits for the restore
+        if prepared is not None:
+            prepared()
 
         def run() -> None:
             conn = None
@@ -155,6 +160,31 @@ def test_the_process_reads_its_checkpointed_memory_and_the_rest_streams_in(resto
     assert r.result == [True] and r.handed == [42]
     assert r.handler is not None and r.handler.copied == PAGES * PAGE and r.handler.total_pages == PAGES
     source.close()
+
+
+def test_the_mappings_are_read_before_the_restore_connects(restored: Restored) -> None:
+    """The handler cuts the memory at the process's mappings while it waits: when CRIU hands the memory
+    over, nothing is left to read (here the memory map is gone by then) and the pages move at once."""
+    r = restored
+    source = Source(r.store, r.checkpoint, "c", str(r.images))
+    r.serve(source, prepared=(r.images / "mm-42.img").unlink)
+    assert r.ask(f"hash 0 {PAGES}") == r.expect(0, PAGES)
+    assert r.thread is not None
+    r.thread.join(10)
+    assert r.result == [True] and r.handed == [42]
+    source.close()
+
+
+def test_a_memory_map_unreadable_while_waiting_is_read_again_and_named(tmp_path: Path) -> None:
+    pages = random.Random(7).randbytes(PAGES * PAGE)
+    with _restored(tmp_path, lambda addr: ([(addr, PAGES, LAZY)], pages, pages)) as r:
+        (r.images / "mm-42.img").unlink()
+        source = Source(r.store, r.checkpoint, "c", str(r.images))
+        r.serve(source)
+        assert r.thread is not None
+        r.thread.join(10)
+        assert len(r.result) == 1 and isinstance(r.result[0], SourceError) and "mm-42.img" in str(r.result[0])
+        source.close()
 
 
 def test_the_stream_starts_when_the_memory_arrives(restored: Restored, monkeypatch: pytest.MonkeyPatch) -> None:
