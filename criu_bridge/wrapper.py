@@ -72,6 +72,10 @@ PLAN_FLAGS = {
 # option to dump, and is not listed in /proc/net/tcp for the agent to see
 # (criu_bridge.tcp). With no such socket in the image the option does nothing.
 TCP_CLOSE = "tcp-close"
+# How the wrapper's account of a filled restore that its pre-resume gate stopped ends: CRIU ran and
+# restored the processes, and the gate killed them because the page source did not say every page
+# was in. The page source's own account, when it gave one, is the reason (the agent asks it first).
+GATE_KILLED = "its processes were killed before they ran"
 
 
 class Call:
@@ -313,11 +317,18 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
             fh.write("".join(f"{line}\n" for line in config))
         env = dict(os.environ, CRIU_CONFIG_FILE=conf)
     rc = subprocess.run(argv, close_fds=True, env=env).returncode
+    gated = _read_text(os.path.join(work, resumegate.FAILED_NAME)) if filled else ""
+    if gated and rc == 0:
+        # CRIU only logs a pre-resume script's failure and goes on: the gate killed the processes where they
+        # stood, and CRIU may still let go of them in time and say the restore finished. None of them ran,
+        # and the restore did not happen: the container goes, as after a restore runc saw fail.
+        subprocess.run([runc, *call.global_args, "delete", "--force", call.container_id], close_fds=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rc = 1
     if rc != 0:
-        gated = _read_text(os.path.join(work, resumegate.FAILED_NAME)) if filled else ""
         decisive = logs.read_decisive(os.path.join(work, "restore.log"))
         if gated:
-            msg = f"restore of {where}, phase lazy-pages: {gated}; its processes were killed before they ran"
+            msg = f"restore of {where}, phase lazy-pages: {gated}; {GATE_KILLED}"
         else:
             msg = f"restore of {where}, phase restore: " + ("; ".join(decisive) or f"runc restore exited {rc}")
         msg += f" (full CRIU log: {os.path.join(work, 'restore.log')})"

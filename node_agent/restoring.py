@@ -525,8 +525,9 @@ class RestoreRun:
             except errors.AgentError as exc:
                 # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason: the
                 # page source then only lost its restore. When CRIU itself failed under a lazy
-                # restore, the page source says why (a chunk that failed verification, a registry
-                # gone), not the log CRIU left as it was cut off.
+                # restore, or the pre-resume gate of a filled one stopped it, the page source says
+                # why (a chunk that failed verification, a registry gone), not the log CRIU left as
+                # it was cut off nor a gate that came after the source had failed.
                 refused = runtime_handler.refusal(os.path.join(plans_dir, cid))
                 if refused is not None and not isinstance(refused, errors.Internal):
                     raise refused from exc

@@ -28,7 +28,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from criu_bridge.wrapper import FAILED, PLAN_ANNOTATION, PLAN_FILE, RESTORED, drop_data, launcher_settings
+from criu_bridge.wrapper import FAILED, GATE_KILLED, PLAN_ANNOTATION, PLAN_FILE, RESTORED, drop_data, launcher_settings
 from node_agent import errors
 from node_agent.config.schema import Settings
 from node_agent.cri import CriClient
@@ -171,7 +171,10 @@ def refusal(plan_dir: str) -> errors.AgentError | None:
     Its words name the pod, the container and the phase, without the
     runtime's layers around them. A refusal before runc ran (the images'
     privileges, file locks, the plan, the writable layer, the page source)
-    is FAILED_PRECONDITION; CRIU's own failure (phase restore) is INTERNAL.
+    is FAILED_PRECONDITION. What failed after runc ran is INTERNAL: CRIU's
+    own failure (phase restore), and a filled restore that its pre-resume
+    gate stopped, whose cause the page source, not the gate, can tell (a
+    failure closes the gate's socket; a gate that comes later finds no one).
     """
     try:
         with open(os.path.join(plan_dir, FAILED), encoding="utf-8", errors="replace") as fh:
@@ -180,7 +183,8 @@ def refusal(plan_dir: str) -> errors.AgentError | None:
         return None
     if not text:
         return None
-    code: type[errors.AgentError] = errors.Internal if ", phase restore: " in text else errors.FailedPrecondition
+    after_runc = ", phase restore: " in text or GATE_KILLED in text
+    code: type[errors.AgentError] = errors.Internal if after_runc else errors.FailedPrecondition
     return code(text)
 
 

@@ -126,6 +126,8 @@ class LazySession:
     _ending: str = ""  # why the helpers are being ended before a connection
     _quiet: bool = False  # an ending the caller reports itself
     _stopped: str = ""  # why another container of the pod stopped this one
+    _failed: str = ""  # the page source's account of a failed transfer, as soon as it gave it
+    _failed_known: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def connected(self) -> bool:
@@ -139,10 +141,17 @@ class LazySession:
         registry gone) is the reason, not what CRIU logged as it was cut off.
         """
         if self._connected and not self._finished.is_set():
+            # The account comes before the ending: killing the processes may wait for runc's state.
+            known = asyncio.ensure_future(self._failed_known.wait())
+            finished = asyncio.ensure_future(self._finished.wait())
             try:
-                async with asyncio.timeout(wait):
-                    await self._finished.wait()
-            except TimeoutError:
+                await asyncio.wait([known, finished], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                known.cancel()
+                finished.cancel()
+            if self._failed and not self._finished.is_set():
+                return f"{self.where}: {self._failed}"
+            if not self._finished.is_set():
                 return ""
         outcome = self.outcome
         return outcome.message if outcome is not None and not outcome.ok and not self._removed else ""
@@ -360,6 +369,8 @@ class LazySession:
             str(event.get("message")) if event is not None and event.get("event") == "error"
             else f"the page source exited mid-transfer ({await self._source_exit()})"
         )
+        self._failed = reason
+        self._failed_known.set()
         if self.pod_failed is not None and not self._stopped:
             killed = await self.pod_failed(self, reason)
         else:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from criu_bridge import resumegate
+from criu_bridge import resumegate, wrapper
 from node_agent.lazy.source import _answer_gate
 from tests.unit.test_wrapper import CID, _argv, _lazy_plan, _run, env  # noqa: F401 - env is a fixture
 
@@ -53,6 +53,21 @@ def test_a_filled_restore_the_gate_stopped_says_why_not_what_criu_logged(env: di
     msg = json.loads(log.read_text().splitlines()[-1])["msg"]
     for needle in ("ns/p", "container app", "phase lazy-pages", "digest mismatch", "killed before they ran"):
         assert needle in msg, msg
+
+
+def test_a_restore_the_gate_stopped_failed_even_where_criu_says_it_finished(env: dict[str, Path]) -> None:  # noqa: F811
+    """CRIU only logs a failed pre-resume script: it may let go of the killed processes in time and exit 0.
+    The restore still did not happen: the wrapper fails it, and the container goes as after a failed one."""
+    d = _filled_plan(env)
+    (d / "work" / resumegate.FAILED_NAME).write_text("the page source cannot be reached (Connection refused)")
+    log = env["tmp"] / "log.json"
+    r = _run(env, "--root", "/r", "--log", str(log), "--log-format", "json", "create", "--bundle",
+             str(env["bundle"]), CID)
+    assert r.returncode == 1
+    msg = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert "phase lazy-pages" in msg and "cannot be reached" in msg and wrapper.GATE_KILLED in msg, msg
+    assert _argv(env)[-3:] == ["delete", "--force", CID]  # runc's last call: the restored container removed
+    assert (d / wrapper.FAILED).exists() and not (d / wrapper.RESTORED).exists()
 
 
 @pytest.fixture

@@ -149,3 +149,19 @@ def test_a_restore_record_that_does_not_match_stops_the_container(
     with pytest.raises(errors.Internal) as e:
         asyncio.run(runtime_handler.verify_restored(cri, s, CID, plan, "n1", where="w", handler="criu"))
     assert needle in str(e.value) and cri.stopped == [CID]
+
+
+def test_the_wrappers_account_is_a_precondition_only_before_runc_ran(tmp_path: Path) -> None:
+    """Refused before runc ran: that is the reason. CRIU's failure, and a filled restore its pre-resume gate
+    stopped (the page source had failed, or was gone), are INTERNAL: the agent asks the page source first."""
+    where = "restore of pod ns/p, container app"
+    for text, code in ((f"{where}, phase privileges: the images grant CAP_SYS_ADMIN", errors.FailedPrecondition),
+                       (f"{where}, phase restore: Error (criu/cr-restore.c:1): x", errors.Internal),
+                       (f"{where}, phase lazy-pages: the page source cannot be reached (Connection refused); it "
+                        f"failed or is gone; {wrapper.GATE_KILLED} (full CRIU log: /p/work/restore.log)",
+                        errors.Internal)):
+        (tmp_path / wrapper.FAILED).write_text(text)
+        got = runtime_handler.refusal(str(tmp_path))
+        assert type(got) is code and str(got) == text
+    (tmp_path / wrapper.FAILED).unlink()
+    assert runtime_handler.refusal(str(tmp_path)) is None
