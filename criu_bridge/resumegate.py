@@ -15,9 +15,10 @@ asks the page source over ``work/resume.socket`` and waits:
 * anything else (``failed <reason>``, the connection refused or closed: the
   page source failed or is gone): the gate writes the reason to
   ``work/resume.failed``, kills every process of the container's cgroup
-  (still stopped by CRIU, so none ever runs), and exits 1. CRIU then fails
-  to let go of them and fails the restore, and the wrapper reports the
-  reason.
+  (still stopped by CRIU, so none ever runs), and exits 1. CRIU only logs
+  that and may fail to let go of them or say the restore finished; either
+  way the wrapper, which finds ``work/resume.failed``, fails the restore
+  (deleting the container where runc left one) and reports the reason.
 
 The same line protocol (``ok``, or ``failed <reason>``) answers the
 wrapper of every restore through the page source, lazy or filled, before it
