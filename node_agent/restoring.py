@@ -531,7 +531,9 @@ class RestoreRun:
                 refused = runtime_handler.refusal(os.path.join(plans_dir, cid))
                 if refused is not None and not isinstance(refused, errors.Internal):
                     raise refused from exc
-                why = await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT) if self.paged else ""
+                gated = refused is not None and runtime_handler.gate_stopped(refused)
+                why = (await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT, early=gated)
+                       if self.paged else "")
                 if why:
                     code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
                     raise code(why) from exc

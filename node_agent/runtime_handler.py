@@ -188,6 +188,11 @@ def refusal(plan_dir: str) -> errors.AgentError | None:
     return code(text)
 
 
+def gate_stopped(refused: errors.AgentError) -> bool:
+    """Whether the wrapper's account (`refusal`) is of a filled restore its pre-resume gate stopped."""
+    return GATE_KILLED in str(refused)
+
+
 def plan_nonce(plan_dir: str) -> str | None:
     """The nonce of the plan in `plan_dir` (None when there is no plan)."""
     try:

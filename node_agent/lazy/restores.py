@@ -166,11 +166,12 @@ class LazyRestores:
         await session.start()
         self._track(session, store)
 
-    async def failure(self, op_id: str, container_id: str, wait: float) -> str:
-        """Why the lazy transfer of `container_id` in restore `op_id` failed ("" if it did not)."""
+    async def failure(self, op_id: str, container_id: str, wait: float, *, early: bool = False) -> str:
+        """Why the lazy transfer of `container_id` in restore `op_id` failed ("" if it did not); `early`: see
+        `LazySession.failure`."""
         for session in self._by_op.get(op_id, []):
             if session.container_id == container_id:
-                return await session.failure(wait)
+                return await session.failure(wait, early=early)
         return ""
 
     def done(self, op_id: str) -> None:

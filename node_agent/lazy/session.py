@@ -133,15 +133,23 @@ class LazySession:
     def connected(self) -> bool:
         return self._connected
 
-    async def failure(self, wait: float) -> str:
+    async def failure(self, wait: float, *, early: bool = False) -> str:
         """Why the transfer failed ("" if it did not, or not within `wait` seconds).
 
         For a StartContainer that failed: when the restore had connected, the
         page source's own account (a chunk that failed verification, a
         registry gone) is the reason, not what CRIU logged as it was cut off.
         """
+        if self._connected and not self._finished.is_set() and not early:
+            try:
+                async with asyncio.timeout(wait):
+                    await self._finished.wait()
+            except TimeoutError:
+                return ""
         if self._connected and not self._finished.is_set():
-            # The account comes before the ending: killing the processes may wait for runc's state.
+            # `early`: the restore was stopped because the page source failed (its pre-resume gate found no
+            # page source, or one that said why), so its first account is the reason; the ending may wait
+            # long, for runc's state of a container the failed restore never left.
             known = asyncio.ensure_future(self._failed_known.wait())
             finished = asyncio.ensure_future(self._finished.wait())
             try:

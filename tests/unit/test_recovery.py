@@ -248,7 +248,7 @@ async def test_a_failed_lazy_start_names_the_decisive_reason(
     async def started(*_: Any, **__: Any) -> None:
         return None
 
-    async def told(*_: Any) -> str:
+    async def told(*_: Any, **__: Any) -> str:
         return source
 
     monkeypatch.setattr(restorer.lazy, "wanted", lazily)
