@@ -140,27 +140,19 @@ class LazySession:
         page source's own account (a chunk that failed verification, a
         registry gone) is the reason, not what CRIU logged as it was cut off.
         """
-        if self._connected and not self._finished.is_set() and not early:
-            try:
-                async with asyncio.timeout(wait):
-                    await self._finished.wait()
-            except TimeoutError:
-                return ""
         if self._connected and not self._finished.is_set():
             # `early`: the restore was stopped because the page source failed (its pre-resume gate found no
             # page source, or one that said why), so its first account is the reason; the ending may wait
             # long, for runc's state of a container the failed restore never left.
-            known = asyncio.ensure_future(self._failed_known.wait())
-            finished = asyncio.ensure_future(self._finished.wait())
+            events = [self._finished, *([self._failed_known] if early else [])]
+            waiting = [asyncio.ensure_future(e.wait()) for e in events]
             try:
-                await asyncio.wait([known, finished], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                known.cancel()
-                finished.cancel()
-            if self._failed and not self._finished.is_set():
-                return f"{self.where}: {self._failed}"
+                for w in waiting:
+                    w.cancel()
             if not self._finished.is_set():
-                return ""
+                return f"{self.where}: {self._failed}" if early and self._failed else ""
         outcome = self.outcome
         return outcome.message if outcome is not None and not outcome.ok and not self._removed else ""
 
