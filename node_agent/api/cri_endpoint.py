@@ -378,7 +378,7 @@ class CriEndpoint:
         reason = reason.removeprefix(f"restore of pod {replica.pod}, container {replica.container}, ")
         reason = reason.removesuffix("; the container was stopped")
         await asyncio.to_thread(functools.partial(stop_pod, self.replicas, self.settings.runc_root, replica, reason,
-                                                  wait_for_state=wait_for_state))
+                                                  wait_for_state=wait_for_state, plans_dir=self.settings.plans_dir))
 
     async def container_status(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """ContainerStatus, forwarded; a failed restored container's `reason` and `message` say why it failed."""

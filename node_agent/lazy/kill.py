@@ -21,6 +21,7 @@ import os
 import signal
 import time
 
+from criu_bridge.wrapper import FAILED
 from node_agent.replicas import Replica, Replicas, sibling_reason, tell
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,21 @@ def _procs(cgroup: str) -> list[int]:
         return []
 
 
-def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, wait_for_state: bool = True) -> int:
+def restore_failed(plan_dir: str) -> bool:
+    """Whether the restore wrapper marked the restore of the plan in ``plan_dir`` failed: runc has exited
+    then, and left no state for the container (or removed what it made)."""
+    return bool(plan_dir) and os.path.exists(os.path.join(plan_dir, FAILED))
+
+
+def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, wait_for_state: bool = True,
+                   plan_dir: str = "") -> int:
     """SIGKILL every process of the container until none is left; the number signalled.
 
     Waits (up to ``timeout``) for runc's state to appear when the restore
-    that creates it is still running; without ``wait_for_state``, a
-    container that has no state (never started) is left as it is.
+    that creates it is still running, but not once the wrapper has marked
+    that restore failed in ``plan_dir`` (the container's restore plan): no
+    state comes then. Without ``wait_for_state``, a container that has no
+    state (never started) is left as it is.
     """
     deadline = time.monotonic() + timeout
     killed: set[int] = set()
@@ -66,8 +76,8 @@ def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, 
     while time.monotonic() < deadline:
         groups = container_cgroups(runc_root, container_id)
         seen_state = seen_state or bool(groups)
-        if not seen_state and not wait_for_state:
-            return 0
+        if not seen_state and (not wait_for_state or restore_failed(plan_dir)):
+            return len(killed)
         pids = sorted({p for g in groups for p in _procs(g)})
         if seen_state and not pids:
             return len(killed)
@@ -82,14 +92,15 @@ def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, 
 
 
 def stop_pod(replicas: Replicas, runc_root: str, failed: Replica, reason: str, *,
-             wait_for_state: bool = True) -> dict[str, int]:
+             wait_for_state: bool = True, plans_dir: str = "") -> dict[str, int]:
     """Stop every restored container of ``failed``'s pod, ``failed`` itself first; processes killed, by container ID.
 
     In order: each is marked failed (``failed`` for ``reason``, the others
     naming it), then every process of each is killed (the others' only
     where they have runc state; ``failed``'s waiting for it unless
-    ``wait_for_state`` is false: a start that failed made none), then each
-    newly marked one's CRI log gets its line. A container marked before (by
+    ``wait_for_state`` is false, a start that failed made none, or, under
+    ``plans_dir`` (the restore plans), its restore is marked failed), then
+    each newly marked one's CRI log gets its line. A container marked before (by
     another agent or page source) is killed again but not told twice.
     """
     pod = [failed, *(r for r in replicas.of_sandbox(failed.sandbox) if r.container_id != failed.container_id)]
@@ -99,7 +110,8 @@ def stop_pod(replicas: Replicas, runc_root: str, failed: Replica, reason: str, *
         if replicas.mark_failed(rep, why):
             told.append((rep, why))
     killed = {rep.container_id: kill_container(runc_root, rep.container_id,
-                                               wait_for_state=wait_for_state and rep is failed)
+                                               wait_for_state=wait_for_state and rep is failed,
+                                               plan_dir=os.path.join(plans_dir, rep.container_id) if plans_dir else "")
               for rep in pod}
     for rep, why in told:
         tell(rep, "node-agent: " + rep.failure_text(why))

@@ -207,11 +207,13 @@ class LazyRestores:
         """
         replica = self.replicas.get(session.container_id)
         if replica is None:  # not recorded (restored before the records): this container alone
-            return await asyncio.to_thread(kill_container, self.settings.runc_root, session.container_id)
+            return await asyncio.to_thread(kill_container, self.settings.runc_root, session.container_id,
+                                           plan_dir=session.plan_dir)
         others = [s for s in self._sessions if s is not session and s.sandbox == replica.sandbox]
         for other in others:
             other.stopped_with(sibling_reason(replica, reason))
-        killed = await asyncio.to_thread(stop_pod, self.replicas, self.settings.runc_root, replica, reason)
+        killed = await asyncio.to_thread(stop_pod, self.replicas, self.settings.runc_root, replica, reason,
+                                         plans_dir=self.settings.plans_dir)
         await asyncio.gather(*(o.end(f"{sibling_reason(replica, reason)}; restore the pod again")
                                for o in others if not o.connected), return_exceptions=True)
         return killed.get(session.container_id, 0)

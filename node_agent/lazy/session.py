@@ -304,7 +304,8 @@ class LazySession:
         except Exception as exc:  # noqa: BLE001 - a guard must always end in a decision
             outcome = Outcome(False, f"the guard failed: {exc!r}")
             if self._connected:
-                await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
+                await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id,
+                                           plan_dir=self.plan_dir)
         self._close_conn()
         await self._finish(outcome)
 
@@ -374,7 +375,8 @@ class LazySession:
         if self.pod_failed is not None and not self._stopped:
             killed = await self.pod_failed(self, reason)
         else:
-            killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id)
+            killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id,
+                                           plan_dir=self.plan_dir)
         try:
             self._ctrl.sendall(b"killed\n")
         except OSError:

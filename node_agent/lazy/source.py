@@ -258,13 +258,13 @@ def _stop_alone(args: argparse.Namespace, config: dict[str, object], message: st
     root, sandbox = config.get("replicas"), config.get("sandbox")
     replicas = Replicas(root) if isinstance(root, str) and root else None
     replica = replicas.load(sandbox, args.container_id) if replicas and isinstance(sandbox, str) else None
+    plan_dir = os.path.dirname(os.path.abspath(args.images))
     if replicas is None or replica is None:
-        kill_container(args.runc_root, args.container_id)
+        kill_container(args.runc_root, args.container_id, plan_dir=plan_dir)
     else:
-        stop_pod(replicas, args.runc_root, replica, message)
+        stop_pod(replicas, args.runc_root, replica, message, plans_dir=os.path.dirname(plan_dir))
     try:
-        with open(os.path.join(os.path.dirname(os.path.abspath(args.images)), FAILED_FILE), "w",
-                  encoding="utf-8") as fh:
+        with open(os.path.join(plan_dir, FAILED_FILE), "w", encoding="utf-8") as fh:
             fh.write(message)
     except OSError:
         pass

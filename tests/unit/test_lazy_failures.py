@@ -33,8 +33,10 @@ from typing import Any
 import pytest
 
 from criu_bridge import resumegate
+from criu_bridge.wrapper import FAILED
 from node_agent.config.loading import from_mapping
 from node_agent.errors import DataLoss, Unavailable
+from node_agent.lazy.kill import kill_container
 from node_agent.lazy.restores import LazyRestores
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.staging import read_memory
@@ -537,6 +539,29 @@ async def test_a_chunk_that_fails_verification_stops_the_whole_pod(pod: Pod) -> 
     states = {s.replica.container: s for s in pod.lazy.report(None)}
     assert {n: s.state for n, s in states.items()} == {"app": "failed", "sidecar": "failed", "late": "failed"}
     assert states["app"].reason == reason
+
+
+async def test_a_restore_marked_failed_is_not_waited_for(pod: Pod) -> None:
+    """The kill of a container whose restore runc never finished waits for runc's state, but not once the
+    wrapper has marked the restore failed (runc has exited then, and left none): it returns at once instead
+    of holding the page source, and the failed restore's end, for the whole wait."""
+    plan = pod.plan("app")
+    plan.mkdir(parents=True)
+    (plan / FAILED).write_text("restore of pod ns/web, container app, phase restore: ...")
+    done = threading.Event()
+
+    def kill() -> None:
+        assert kill_container(pod.settings.runc_root, pod.cid("app"), timeout=3600, plan_dir=str(plan)) == 0
+        done.set()
+
+    threading.Thread(target=kill, daemon=True).start()
+    assert await asyncio.to_thread(done.wait, 60), "the kill waited for a state no restore will make"
+    # A container that has runc state is killed as before, mark or not.
+    pod.full_process("sidecar")
+    (pod.plan("sidecar") / FAILED).parent.mkdir(parents=True)
+    (pod.plan("sidecar") / FAILED).write_text("marked")
+    assert kill_container(pod.settings.runc_root, pod.cid("sidecar"), plan_dir=str(pod.plan("sidecar"))) == 1
+    assert await pod.dead("sidecar") == -9
 
 
 async def test_a_page_source_whose_agent_is_gone_stops_the_pod_itself(pod: Pod) -> None:
