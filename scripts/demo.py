@@ -55,6 +55,7 @@ def main() -> int:
           f"runc {bed.info['runc_version']}: {bed.info['containerd_socket']}  pods on {bed.info['subnet']}")
     bed.start_agent()
     print(f"node-agent serve --config {bed.config}   (log: {bed.agent_log})")
+    ckpt = ""
     try:
         say("a pod of two containers in namespace 'shop': a shell counter and a TCP server holding 64 MiB")
         src = counter_pod(bed, "shop", mib=64, name="cart")
@@ -87,6 +88,9 @@ def main() -> int:
         if args.keep:
             print(f"\nleft running: test bed '{BED}' (scripts/testbed down {BED}), agent pid {bed.agent.pid if bed.agent else '-'}")
         else:
+            if ckpt:  # the demo's checkpoint goes with its node; a run after this one lists only its own
+                subprocess.run([NODE_AGENT, "checkpoints", "rm", ckpt], capture_output=True,
+                               env=dict(os.environ, NODE_AGENT_SOCKET=bed.socket))
             bed.stop_agent()
             testbed("down", BED)
 
