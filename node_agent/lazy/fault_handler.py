@@ -106,6 +106,7 @@ class Handler:
         self.finished = False
         self.stopping = False
         self.error: str | None = None
+        self.restore_failed = False  # the failure was the restore's own end (CRIU's), not the source's
         self.copied = 0  # bytes
         self.faults = 0
         self.total_pages = 0
@@ -165,7 +166,8 @@ class Handler:
                 word = words.int32()
                 if word is None:
                     if not self.finished:
-                        self.fail("the restore closed its connection before it finished (see its CRIU log)")
+                        self.fail("the restore closed its connection before it finished (see its CRIU log)",
+                                  restore=True)
                     return
                 if word == RESTORE_FINISHED:
                     with self.lock:
@@ -244,10 +246,13 @@ class Handler:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, restore: bool = False) -> None:
+        """Serving cannot go on, for ``message`` (the first one stays); ``restore``: because the restore itself
+        ended (CRIU failed on its own: its log, not this source, says why)."""
         with self.lock:
             if self.error is None:
                 self.error = message
+                self.restore_failed = restore
             self.lock.notify_all()
         self._wake()
 

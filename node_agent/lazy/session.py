@@ -127,6 +127,7 @@ class LazySession:
     _quiet: bool = False  # an ending the caller reports itself
     _stopped: str = ""  # why another container of the pod stopped this one
     _failed: str = ""  # the page source's account of a failed transfer, as soon as it gave it
+    _restore_failed: bool = False  # ... which is that the restore itself ended (CRIU failed on its own)
     _failed_known: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -139,6 +140,8 @@ class LazySession:
         For a StartContainer that failed: when the restore had connected, the
         page source's own account (a chunk that failed verification, a
         registry gone) is the reason, not what CRIU logged as it was cut off.
+        When the source failed only because the restore ended (CRIU failed on
+        its own), CRIU's account is the reason, and this is "".
         """
         if self._connected and not self._finished.is_set():
             # `early`: the restore was stopped because the page source failed (its pre-resume gate found no
@@ -152,9 +155,11 @@ class LazySession:
                 for w in waiting:
                     w.cancel()
             if not self._finished.is_set():
-                return f"{self.where}: {self._failed}" if early and self._failed else ""
+                return f"{self.where}: {self._failed}" if early and self._failed and not self._restore_failed else ""
         outcome = self.outcome
-        return outcome.message if outcome is not None and not outcome.ok and not self._removed else ""
+        if outcome is None or outcome.ok or self._removed or self._restore_failed:
+            return ""
+        return outcome.message
 
     @property
     def where(self) -> str:
@@ -371,6 +376,7 @@ class LazySession:
             else f"the page source exited mid-transfer ({await self._source_exit()})"
         )
         self._failed = reason
+        self._restore_failed = event is not None and event.get("restore_failed") is True
         self._failed_known.set()
         if self.pod_failed is not None and not self._stopped:
             killed = await self.pod_failed(self, reason)

@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", message)
         _answer_gate(gate, f"failed {message}", 0.0)  # a filled restore's processes never run
         with telling:
-            _tell(ctrl, {"event": "error", "message": message})
+            _tell(ctrl, {"event": "error", "message": message,
+                         "restore_failed": handler is not None and handler.restore_failed})
         # Keep the userfaultfds open until the container is dead, so that no
         # page fault is ever answered with a zero page: the agent kills it
         # (and the pod's other restored containers), or, when the agent is

@@ -521,6 +521,7 @@ async def test_a_chunk_that_fails_verification_stops_the_whole_pod(pod: Pod) -> 
         assert await pod.dead("app") == -9 and await pod.dead("sidecar") == -9
         ended = await waiting.wait()
     assert not outcome.ok and digest in outcome.message and "the container was killed" in outcome.message
+    assert await session.failure(5) == outcome.message  # a failed StartContainer's reason: the source's
     assert pod.procs["late"].poll() is None  # never started: nothing of it ran, nothing to kill
     reason = pod.replicas.failure(app)
     assert reason is not None and reason.startswith(f"checkpoint {ckpt}: containers/app/checkpoint/pages-1.img")
@@ -539,6 +540,25 @@ async def test_a_chunk_that_fails_verification_stops_the_whole_pod(pod: Pod) -> 
     states = {s.replica.container: s for s in pod.lazy.report(None)}
     assert {n: s.state for n, s in states.items()} == {"app": "failed", "sidecar": "failed", "late": "failed"}
     assert states["app"].reason == reason
+
+
+async def test_a_restore_that_ends_on_its_own_leaves_the_reason_to_criu(pod: Pod) -> None:
+    """CRIU fails mid-restore: its page source sees the connection end before the restore finished. The
+    container is killed as after any failed transfer, but the failed StartContainer's reason is CRIU's own
+    account (the wrapper's), not the source's word that the restore went away."""
+    pod.lazy_process("app")
+    ckpt = pod.checkpoint({"app": _pages(1)})
+    pod.record("app", ckpt, True)
+    session = await pod.start("app", ckpt)
+    work = pod.plan("app") / "work"
+    assert await asyncio.to_thread(resumegate.ask, str(work / resumegate.MEMORY_SOCKET_NAME)) == "ok"
+    assert pod.ask("app", f"hand-over {work / 'lazy-pages.socket'}") == "ok"
+    assert pod.ask("app", "hang-up") == "ok"
+    async with asyncio.timeout(60):
+        outcome = await session.wait()
+        assert await pod.dead("app") == -9
+    assert not outcome.ok and "closed its connection before it finished" in outcome.message
+    assert await session.failure(5) == "" and await session.failure(5, early=True) == ""
 
 
 async def test_a_restore_marked_failed_is_not_waited_for(pod: Pod) -> None:

@@ -77,6 +77,10 @@ def main() -> None:
             restore.sendall(struct.pack("=i", RESTORE_FINISHED))
             restore.close()
             print("ok", flush=True)
+        elif cmd == "hang-up":  # as a restore that fails on its own: the connection ends before it finished
+            assert restore is not None
+            restore.close()
+            print("ok", flush=True)
         elif cmd in ("hash", "fork-hash"):
             off, n = int(args[0]), int(args[1])
             if cmd == "fork-hash":
