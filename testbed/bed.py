@@ -320,13 +320,15 @@ def make_pod(bed: Bed, namespace: str, containers: list[dict[str, Any]], name: s
     return bed.cri(go)
 
 
-def counter_pod(bed: Bed, namespace: str, *, mib: int = 16, name: str | None = None, flip: bool = True) -> PodHandle:
+def counter_pod(bed: Bed, namespace: str, *, mib: int = 16, name: str | None = None, flip: bool = True,
+                seed: int = 1) -> PodHandle:
     imgs = bed.info["images"]
     return make_pod(bed, namespace, [
         container_config("shell", imgs["busybox"], ["sh", "-c", SHELL_COUNTER.format(name="shell")]),
         container_config("server", imgs["memhog"], [
             "/usr/local/bin/memhog", "--mib", str(mib), "--port", "8080", "--file", "/data/memhog.log",
             "--shm", "/dev/shm/server.count", "--interval-ms", "100", "--flip", "1" if flip else "0",
+            "--seed", str(seed),
         ]),
     ], name=name)
 

@@ -17,10 +17,11 @@ from testbed.bed import (
 )
 
 
-def _memhog_pod(bed: Bed, namespace: str, mib: int) -> PodHandle:
+def _memhog_pod(bed: Bed, namespace: str, mib: int, seed: int = 1) -> PodHandle:
     imgs = bed.info["images"]
     return make_pod(bed, namespace, [container_config("mem", imgs["memhog"], [
         "/usr/local/bin/memhog", "--mib", str(mib), "--port", "8080", "--interval-ms", "100", "--flip", "0",
+        "--seed", str(seed),
     ])])
 
 
