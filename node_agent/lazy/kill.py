@@ -54,7 +54,7 @@ def _procs(cgroup: str) -> list[int]:
         return []
 
 
-def restore_failed(plan_dir: str) -> bool:
+def marked_failed(plan_dir: str) -> bool:
     """Whether the restore wrapper marked the restore of the plan in ``plan_dir`` failed: runc has exited
     then, and left no state for the container (or removed what it made)."""
     return bool(plan_dir) and os.path.exists(os.path.join(plan_dir, FAILED))
@@ -76,7 +76,7 @@ def kill_container(runc_root: str, container_id: str, timeout: float = 10.0, *, 
     while time.monotonic() < deadline:
         groups = container_cgroups(runc_root, container_id)
         seen_state = seen_state or bool(groups)
-        if not seen_state and (not wait_for_state or restore_failed(plan_dir)):
+        if not seen_state and (not wait_for_state or marked_failed(plan_dir)):
             return len(killed)
         pids = sorted({p for g in groups for p in _procs(g)})
         if seen_state and not pids:

@@ -310,7 +310,7 @@ class LazySession:
             outcome = Outcome(False, f"the guard failed: {exc!r}")
             if self._connected:
                 await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id,
-                                           plan_dir=self.plan_dir)
+                                        plan_dir=self.plan_dir)
         self._close_conn()
         await self._finish(outcome)
 
@@ -382,7 +382,7 @@ class LazySession:
             killed = await self.pod_failed(self, reason)
         else:
             killed = await asyncio.to_thread(kill_container, self.settings.runc_root, self.container_id,
-                                           plan_dir=self.plan_dir)
+                                             plan_dir=self.plan_dir)
         try:
             self._ctrl.sendall(b"killed\n")
         except OSError:
