@@ -4,8 +4,10 @@ Rule: only ``transport`` opens these, and it keeps them. A ``Connection``
 connects, shakes hands, sends and receives through its ``Pace``: each
 operation gets ``io-timeout``, cut to what is left of the request's
 ``Deadline``, and none starts once that has passed (``Overdue``). A response's
-status line, headers and body are read one receive at a time, so a peer that
-trickles bytes is stopped by the deadline too. URLs the registry sends are
+status line, headers and body are read one receive at a time, each ending
+within its timeout with what came, so a peer that trickles bytes is stopped
+by the deadline too; a large read of a body is one receive the kernel fills
+(``WHOLE_ABOVE``). URLs the registry sends are
 parsed here (``origin_of``), and only http(s) ones without credentials pass.
 """
 
@@ -17,6 +19,7 @@ import io
 import ipaddress
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +30,10 @@ from node_agent.errors import DeadlineExceeded, InvalidArgument
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
+
+WHOLE_ABOVE = io.DEFAULT_BUFFER_SIZE
+"""A raw read larger than a response's buffer is the buffered reader taking body bytes its caller asked for, which
+the peer sends (or closes before): it is received whole (``_receive_whole``)."""
 
 SEND_PIECE = 64 << 10
 """Bytes handed to one socket send: a stalled peer is noticed within one piece."""
@@ -171,7 +178,8 @@ class Pace:
 
 
 class _SocketReader(io.RawIOBase):
-    """The raw stream under a response: one receive per read, each through the connection's pace.
+    """The raw stream under a response: one receive per read, each through the connection's pace (a large one
+    received whole, over plain TCP).
 
     It holds ``file`` (the socket's own file, which ``http.client`` made)
     until it is closed: like that file, it keeps the socket open for the
@@ -193,8 +201,24 @@ class _SocketReader(io.RawIOBase):
         super().close()
 
     def readinto(self, buffer: WriteableBuffer) -> int:
-        with self._pace.op(self._sock):
-            return self._sock.recv_into(buffer)
+        size = memoryview(buffer).nbytes
+        if size <= WHOLE_ABOVE or isinstance(self._sock, ssl.SSLSocket):
+            with self._pace.op(self._sock):
+                return self._sock.recv_into(buffer)
+        with self._pace.op(None) as timeout:
+            return _receive_whole(self._sock, buffer, size, timeout)
+
+
+def _receive_whole(sock: socket.socket, buffer: WriteableBuffer, size: int, timeout: float) -> int:
+    """One receive of ``size`` bytes that returns once all of them came (or the peer closed, or ``timeout``
+    passed with some of them: then those): the kernel gathers the arrivals, not a receive each."""
+    micros = max(1, int(timeout * 1_000_000))  # 0 would be no timeout at all
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", *divmod(micros, 1_000_000)))
+    try:
+        return sock.recv_into(buffer, size, socket.MSG_WAITALL)
+    except BlockingIOError:
+        raise TimeoutError("timed out") from None
 
 
 def _response_class(pace: Pace) -> type[http.client.HTTPResponse]:

@@ -27,8 +27,8 @@ and the reason.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Generator
-from typing import Final, TypeGuard
+from collections.abc import Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Final, TypeGuard
 
 from node_agent.config.schema import DEFAULT_MIN_FREE_BYTES, RegistrySettings
 from node_agent import strictjson
@@ -50,8 +50,11 @@ from node_agent.registry.failures import log_failure
 from node_agent.registry.parallel import Stopping, each_blob
 from node_agent.registry.ports import R, Admission, BlobImporter, BlobSink, ProgressCallback, PullReport
 from node_agent.registry.reference import Reference, check_digest, parse_reference
-from node_agent.registry.tally import Tally, unique_blobs
-from node_agent.registry.transport import Session
+from node_agent.registry.tally import BlobCount, Tally, unique_blobs
+from node_agent.registry.transport import CHUNK_SIZE, BodyReader, Response, Session
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -307,47 +310,90 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
     """
 
     def attempt(session: Session) -> bool:
-        started = False
-        charged = 0
-        count = tally.blob()
-
-        def download() -> Generator[bytes, None, None]:
-            nonlocal started, charged
-            started = True
-            if keep is not None:
-                keep.clear()  # a host that failed half-way sent some
-            what = f"downloading blob {digest}"
-            url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
-            with session.request("GET", url, what, follow_redirects=True, size=size) as resp:
-                if resp.status == 404:
-                    raise NotFound(f"{session.where}: blob {digest} of manifest {manifest} is not in the registry")
-                if resp.status != 200:
-                    raise resp.error(what)
-                for piece in count.counted(resp.chunks(size, f"blob {digest}")):
-                    if stopping is not None:
-                        stopping.check()
-                    if budget is not None:
-                        budget.charge(len(piece))
-                        charged += len(piece)
-                    if keep is not None:
-                        keep.append(piece)
-                    yield piece
-
-        stream = download()
+        stream = _Download(session, digest, size, manifest, tally.blob(), budget, stopping, keep)
         try:
             importer.add_blob(digest, size, stream)
         except BaseException:
-            if budget is not None:
-                budget.refund(charged)
-            count.restart()
+            stream.failed()
             raise
         finally:
             stream.close()
-        if started:
-            count.done()
-        return started
+        if stream.started:
+            stream.count.done()
+        return stream.started
 
     if not route.run(attempt):
         tally.skip(size)
         return False
     return True
+
+
+class _Download:
+    """One blob's body, requested from the registry on its first read: into the reader's buffer (``readinto``,
+    as the store writes a new blob) or as pieces (iterating). Each piece is checked against ``stopping``,
+    charged to ``budget``, counted and, with ``keep``, kept (``_import_blob``)."""
+
+    def __init__(self, session: Session, digest: str, size: int, manifest: str, count: BlobCount,
+                 budget: PullBudget | None, stopping: Stopping | None, keep: list[bytes] | None) -> None:
+        self._session = session
+        self._digest = digest
+        self._size = size
+        self._manifest = manifest
+        self.count = count
+        self._budget = budget
+        self._stopping = stopping
+        self._keep = keep
+        self._resp: Response | None = None
+        self._body: BodyReader | None = None
+        self.started = False
+        self._charged = 0
+
+    def _open(self) -> BodyReader:
+        if self._body is not None:
+            return self._body
+        self.started = True
+        if self._keep is not None:
+            self._keep.clear()  # a host that failed half-way sent some
+        session, digest = self._session, self._digest
+        what = f"downloading blob {digest}"
+        url = session.url(f"/v2/{session.ref.repository}/blobs/{digest}")
+        self._resp = resp = session.request("GET", url, what, follow_redirects=True, size=self._size)
+        if resp.status == 404:
+            raise NotFound(f"{session.where}: blob {digest} of manifest {self._manifest} is not in the registry")
+        if resp.status != 200:
+            raise resp.error(what)
+        self._body = resp.body(self._size, f"blob {digest}")
+        return self._body
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        got = self._open().readinto(buffer)
+        if got:
+            self._took(memoryview(buffer).cast("B")[:got])
+        return got
+
+    def __iter__(self) -> Iterator[bytes]:
+        body = self._open()
+        while piece := body.read(CHUNK_SIZE):
+            self._took(piece)
+            yield piece
+
+    def _took(self, piece: bytes | memoryview) -> None:
+        if self._stopping is not None:
+            self._stopping.check()
+        if self._budget is not None:
+            self._budget.charge(len(piece))
+            self._charged += len(piece)
+        if self._keep is not None:
+            self._keep.append(bytes(piece))
+        self.count.add(len(piece))
+
+    def failed(self) -> None:
+        """Undo what the failed try counted: its bytes are given back to the budget, the blob starts again."""
+        if self._budget is not None:
+            self._budget.refund(self._charged)
+        self._charged = 0
+        self.count.restart()
+
+    def close(self) -> None:
+        if self._resp is not None:
+            self._resp.close()

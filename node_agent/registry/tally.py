@@ -85,8 +85,12 @@ class BlobCount:
         """Pass ``chunks`` through, reporting each one after it was consumed."""
         for chunk in chunks:
             yield chunk
-            self.bytes += len(chunk)
-            self._tally._move(len(chunk))
+            self.add(len(chunk))
+
+    def add(self, moved: int) -> None:
+        """``moved`` more bytes of the blob have arrived (or gone)."""
+        self.bytes += moved
+        self._tally._move(moved)
 
     def done(self) -> None:
         arrived, self.bytes = self.bytes, 0

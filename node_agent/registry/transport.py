@@ -15,6 +15,7 @@ header values are never logged.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import math
@@ -22,6 +23,7 @@ import ssl
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode, urljoin, urlsplit
 
 from node_agent import tls
@@ -56,6 +58,9 @@ from node_agent.registry.connection import (
 from node_agent.registry.failures import error_detail, network_error, status_error
 from node_agent.registry.hosts import CAPABILITIES, RegistryHost
 from node_agent.registry.reference import Reference
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -143,27 +148,17 @@ class Response:
 
     def chunks(self, size: int, what: str) -> Iterator[bytes]:
         """Exactly ``size`` bytes of body, in pieces; errors if the body is shorter or longer."""
+        body = self.body(size, what)
+        while piece := body.read(CHUNK_SIZE):
+            yield piece
+
+    def body(self, size: int, what: str) -> BodyReader:
+        """A reader of exactly ``size`` bytes of body; DataLoss at once if the registry says it has another length."""
         length = self.content_length
         if length is not None and length != size:
             self.close()
             raise DataLoss(f"{self._session.where}: {what} is {length} bytes, not the {size} its descriptor says")
-        remaining = size
-        try:
-            while remaining:
-                data = self._raw.read(min(CHUNK_SIZE, remaining))
-                if not data:
-                    raise Unavailable(f"{self._session.where}: the connection closed {size - remaining} bytes into {what}")
-                remaining -= len(data)
-                yield data
-            if not self._raw.isclosed() and self._raw.read(1):
-                raise DataLoss(f"{self._session.where}: {what} is longer than the {size} bytes its descriptor says")
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop()
-            raise self._session.map_error(exc, self._origin, what) from exc
-        except BaseException:
-            self._drop()
-            raise
-        self.close()
+        return BodyReader(self, size, what)
 
     def error(self, what: str) -> AgentError:
         """The error for an unexpected status, with the registry's own message when it sent one."""
@@ -199,6 +194,68 @@ class Response:
             self._raw.close()
             self._conn.close()
             self._conn = None
+
+
+class BodyReader:
+    """Exactly ``size`` bytes of a response's body, read in pieces (``read``) or into the caller's buffers
+    (``readinto``, which receives a large buffer in one go: ``connection``). A body that ends early is
+    Unavailable, one longer than ``size`` DataLoss; the connection is given back after the last byte, and
+    dropped on any failure."""
+
+    def __init__(self, resp: Response, size: int, what: str) -> None:
+        self._resp = resp
+        self._size = size
+        self._what = what
+        self.remaining = size
+
+    def read(self, most: int) -> bytes:
+        """Up to ``most`` bytes (b"" once all came)."""
+        if not self.remaining:
+            return b""
+        with self._guarded():
+            data = self._resp._raw.read(min(most, self.remaining))
+        self._arrived(len(data))
+        return data
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        """Fill ``buffer`` (up to what is left of the body); the bytes received (0 once all came)."""
+        if not self.remaining:
+            return 0
+        view = memoryview(buffer).cast("B")[: self.remaining]
+        with self._guarded():
+            got = self._resp._raw.readinto(view)
+        self._arrived(got)
+        return got
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Around a receive: a network failure leaves as the registry's error, and any failure drops the
+        connection."""
+        try:
+            yield
+        except (OSError, http.client.HTTPException) as exc:
+            self._resp._drop()
+            raise self._resp._session.map_error(exc, self._resp._origin, self._what) from exc
+        except BaseException:
+            self._resp._drop()
+            raise
+
+    def _arrived(self, got: int) -> None:
+        raw = self._resp._raw
+        if not got:
+            self._resp._drop()
+            raise Unavailable(f"{self._resp._session.where}: the connection closed {self._size - self.remaining} bytes "
+                              f"into {self._what}")
+        self.remaining -= got
+        if self.remaining:
+            return
+        with self._guarded():
+            extra = not raw.isclosed() and raw.read(1)
+        if extra:
+            self._resp._drop()
+            raise DataLoss(f"{self._resp._session.where}: {self._what} is longer than the {self._size} bytes its "
+                           "descriptor says")
+        self._resp.close()
 
 
 def _read_pem(path: str) -> str:

@@ -80,6 +80,23 @@ def _pieces(stream: BinaryIO | Iterable[bytes]) -> Iterator[bytes]:
         yield from stream
 
 
+def _arrivals(stream: BinaryIO | Iterable[bytes], out: NewFile, hasher: hashlib._Hash, size: int) -> Iterator[int]:
+    """How many bytes of ``stream`` arrive at each step, each hashed and written to ``out``: straight into its
+    buffer where the stream reads into one (``readinto``), else piece by piece. Up to ``size`` + 1 are asked
+    for, so that a longer stream shows."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:
+        for piece in _pieces(stream):
+            hasher.update(piece)
+            out.write(piece)
+            yield len(piece)
+        return
+    left = size + 1
+    while left and (taken := out.receive(readinto, left, hasher.update)):
+        left -= taken
+        yield taken
+
+
 class BlobImporter:
     """Brings the blobs of one checkpoint in from elsewhere, then stages and publishes its manifest.
 
@@ -203,12 +220,10 @@ class BlobImporter:
         got = 0
         out = NewFile(temp)  # past the page cache: nobody reads it back soon (store/direct.py)
         try:
-            for piece in _pieces(stream):
-                got += len(piece)
+            for taken in _arrivals(stream, out, hasher, size):
+                got += taken
                 if got > size:
                     raise DataLoss(f"blob {digest}: received more than the expected {size} bytes")
-                hasher.update(piece)
-                out.write(piece)
             if got != size:
                 raise DataLoss(f"blob {digest}: received {got} bytes, expected {size}")
             actual = "sha256:" + hasher.hexdigest()

@@ -25,6 +25,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Final
 
 from node_agent.store.files import FILE_MODE, NEW_FILE, write_all
@@ -95,6 +96,29 @@ class NewFile:
             view = view[take:]
             if self._fill == BUFFER:
                 self._flush(BUFFER)
+
+    def receive(self, readinto: Callable[[memoryview], int], most: int, seen: Callable[[memoryview], object]) -> int:
+        """Read up to ``most`` bytes with ``readinto`` straight into the buffer (written out once it is full),
+        handing them to ``seen`` first; how many came (0: the stream has ended). No copy is made on the way."""
+        if self._buf is None:
+            piece = memoryview(bytearray(min(most, BUFFER)))
+            got = readinto(piece)
+            if got:
+                seen(piece[:got])
+                self.write(piece[:got])
+            return got
+        if self._fill == BUFFER:
+            self._flush(BUFFER)
+        free = memoryview(self._buf)[self._fill : self._fill + min(most, BUFFER - self._fill)]
+        try:
+            got = readinto(free)
+            if got:
+                seen(free[:got])
+        finally:
+            free.release()
+        self._fill += got
+        self._size += got
+        return got
 
     def finish(self) -> None:
         """Write what the buffer holds; the file is then exactly the bytes written."""

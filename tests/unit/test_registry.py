@@ -595,6 +595,13 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
                     return
                 elif mode == "corrupt":
                     data = bytes([data[0] ^ 1]) + data[1:]
+                elif mode == "chunked-longer":  # no length said: the extra bytes show only after the last
+                    handler.send_response(200)
+                    handler.send_header("Transfer-Encoding", "chunked")
+                    handler.end_headers()
+                    data += b"extra"
+                    handler.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+                    return
             answer(handler, 200, data)
         else:
             answer(handler, 404)
@@ -606,7 +613,8 @@ def test_hostile_answers(tmp_path: Path, source: tuple[Store, str, dict[str, byt
         pull(dst, f"{host}/ckpt/web:huge", PLAIN)
     with pytest.raises(ResourceExhausted):
         pull(dst, f"{host}/ckpt/web:endless", PLAIN)
-    for mode, error in (("longer", DataLoss), ("shorter", Unavailable), ("corrupt", DataLoss)):
+    for mode, error in (("longer", DataLoss), ("shorter", Unavailable), ("corrupt", DataLoss),
+                        ("chunked-longer", DataLoss)):
         state["mode"] = mode
         with pytest.raises(error):
             pull(dst, f"{host}/ckpt/web:v1", PLAIN, settings=ONE_LANE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import io
 import mmap
 import os
 import random
@@ -23,11 +24,19 @@ def _pattern(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def _write(path: Path, data: bytes, piece: int) -> NewFile:
+def _write(path: Path, data: bytes, piece: int, how: str = "write") -> NewFile:
+    """``data`` into a new file at ``path``, ``piece`` bytes at a time: given (``write``) or read into the
+    file's buffer from a stream (``receive``, which must hand every byte to its ``seen`` on the way)."""
     out = NewFile(str(path))
     try:
-        for at in range(0, len(data), piece):
-            out.write(data[at : at + piece])
+        if how == "write":
+            for at in range(0, len(data), piece):
+                out.write(data[at : at + piece])
+        else:
+            stream, seen = io.BytesIO(data), bytearray()
+            while out.receive(stream.readinto, piece, seen.extend):
+                pass
+            assert seen == data
         out.finish()
     finally:
         out.close()
@@ -59,10 +68,11 @@ def _resident_pages(path: Path) -> int:
 
 @pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, BUFFER - 1, BUFFER, BUFFER + 1, 3 * BUFFER + 12345])
 @pytest.mark.parametrize("piece", [1000, BLOCK, 65536 + 7, 4 * BUFFER])
+@pytest.mark.parametrize("how", ["write", "receive"])
 def test_a_new_file_holds_exactly_the_bytes_written_whatever_their_length_and_pieces(
-        tmp_path: Path, size: int, piece: int) -> None:
+        tmp_path: Path, size: int, piece: int, how: str) -> None:
     data = _pattern(size, seed=size ^ piece)
-    _write(tmp_path / "blob", data, piece)
+    _write(tmp_path / "blob", data, piece, how)
     assert (tmp_path / "blob").read_bytes() == data
     assert (tmp_path / "blob").stat().st_mode & 0o777 == 0o600
 
@@ -118,8 +128,9 @@ def test_a_filesystem_that_refuses_direct_writes_gets_the_same_bytes_through_the
         assert refused == [BUFFER] and not out.direct
 
 
+@pytest.mark.parametrize("how", ["write", "receive"])
 def test_a_filesystem_that_cannot_open_direct_gets_an_ordinary_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     real = os.open
 
     def refusing(path: str, flags: int, mode: int = 0o777) -> int:
@@ -129,7 +140,7 @@ def test_a_filesystem_that_cannot_open_direct_gets_an_ordinary_file(
 
     monkeypatch.setattr(os, "open", refusing)
     data = _pattern(BUFFER + 3, seed=5)
-    out = _write(tmp_path / "blob", data, 4096)
+    out = _write(tmp_path / "blob", data, 4096, how)
     assert not out.direct
     assert (tmp_path / "blob").read_bytes() == data
 
