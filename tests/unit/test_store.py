@@ -340,6 +340,25 @@ def test_a_compressible_stretch_inside_a_large_chunk_is_found() -> None:
     assert codec.decode(bytes(stored), encoding, n) == mixed
 
 
+def test_a_chunk_is_kept_compressed_only_when_that_saves_an_eighth() -> None:
+    """Weights shrink by a few percent and decode slowly: stored as they are. Half-precision ones shrink more."""
+    from node_agent.store import codec
+
+    noise = random.Random(11).randbytes(MiB)
+    # float32 weights as the model server's: the top byte holds the sign and 3 random bits of the exponent.
+    weights = bytes(b if i % 4 != 3 else (b & 0x80) | (0x38 + (b & 0x07)) for i, b in enumerate(noise))
+    # Half-precision ones: every other byte a sign and an exponent near 0x3c.
+    half = bytes(b if i % 2 == 0 else (b & 0x80) | (0x3A + (b & 0x03)) for i, b in enumerate(noise))
+    zstd = codec._compressor().compress
+    assert len(zstd(weights)) < MiB  # zstd would shrink it, by less than an eighth
+    assert len(zstd(weights)) > MiB * codec.KEEP_RATIO
+    stored, encoding = codec.encode(weights)
+    assert encoding == "identity" and stored is weights
+    stored, encoding = codec.encode(half)
+    assert encoding == "zstd" and len(stored) <= MiB * codec.KEEP_RATIO
+    assert codec.decode(bytes(stored), encoding, MiB) == half
+
+
 def test_encoding_is_deterministic(tmp_path: Path) -> None:
     data = (b"abc" * 300_000) + os.urandom(2 * MiB) + bytes(MiB)
     a = _commit_bytes(Store(tmp_path / "a"), {"f": data})
