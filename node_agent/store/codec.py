@@ -4,11 +4,12 @@ Rule: encoding is deterministic (the same content always gives the same
 stored bytes, hence the same blob digest): one-shot zstd frames with fixed
 parameters, the content size in the header, no checksum, no dictionary and
 no worker threads inside zstd. A chunk that does not shrink by at least an
-eighth is stored as it is ("identity"). Decoding treats the stored bytes as hostile: the frame must
-declare exactly the expected size, hold nothing after its end, and inflate
-to exactly that size. Compressors are per thread (zstd contexts are not
-thread-safe); zstd and hashlib release the GIL on large buffers, so callers
-spread chunks over threads. This module does no I/O.
+eighth is stored as it is ("identity"). Decoding treats the stored bytes
+as hostile: the frame must declare exactly the expected size, hold nothing
+after its end, and inflate to exactly that size. Compressors are per
+thread (zstd contexts are not thread-safe); zstd and hashlib release the
+GIL on large buffers, so callers spread chunks over threads. This module
+does no I/O.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 KEEP_RATIO: Final = 7 / 8
 
 # Probing small windows first spares compressing whole chunks that won't
-# shrink enough (most process memory of a model server is such data). The windows
-# are spread over the whole chunk, one per PROBE_STRIDE (at least three:
-# start, middle, end), so a compressible stretch inside a large chunk (zero
-# pages beside weights) is found. The probe depends only on the chunk's
-# content, so encoding stays deterministic.
+# shrink enough (most process memory of a model server is such data). The
+# windows are spread over the whole chunk, one per PROBE_STRIDE (at least
+# three: start, middle, end), so a compressible stretch inside a large
+# chunk (zero pages beside weights) is found. The probe depends only on
+# the chunk's content, so encoding stays deterministic.
 PROBE: Final = 4096
 PROBE_MIN_SIZE: Final = 64 << 10
 PROBE_RATIO: Final = 0.9  # a 4 KiB window shrinks a little less than its whole chunk
