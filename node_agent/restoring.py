@@ -457,6 +457,8 @@ class RestoreRun:
         svc.journal.write(entry)
         self.lazy = await svc.lazy.wanted(self.options.lazy, record)
         self.filled = not self.lazy and await svc.lazy.filled(self.options.lazy, record)
+        if self.paged and req.source is None:  # the link to its registry is idle until the restore connects
+            svc.lazy.prefetch(svc.store, record, f"restore of pod {where}")
         self.progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if self.lazy else "")))
         # Read and verify every file while containerd makes the sandbox.
         self.staging = staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
@@ -553,6 +555,7 @@ class RestoreRun:
         short. What the runtime could not remove now, the undoer retries.
         """
         await self.service.lazy.cancel(self.entry.op_id)
+        self.service.lazy.stop_prefetch(self.record.id, "the restore failed")
         return await self.service.undoer.undo(self.entry)
 
 

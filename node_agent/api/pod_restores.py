@@ -4,7 +4,9 @@
 does only what must come before the sandbox: it finds the checkpoint (a
 registry reference is pulled with everything but its saved configs left in
 the registry, `lazy.remote.beyond_sandbox`), admits it, checks the node's
-CPU against it and forwards the kubelet's request with the restore handler.
+CPU against it and forwards the kubelet's request with the restore handler;
+what the pull left in the registry is fetched from then on, in the
+background, until the restored process connects (`lazy.prefetch`).
 The kubelet pulls each container's image after that; `CreateContainer` of
 each checkpointed container checks the image is the checkpoint's, reads
 and verifies that container's files (and the pod's /dev/shm, before the
@@ -162,7 +164,9 @@ class PodRestores:
             log.warning("cannot list sandboxes to prune pending restores: %s", exc)
             return
         for pod_id in [i for i in self.restores if i not in alive]:
-            shutil.rmtree(self.restores.pop(pod_id).dir, ignore_errors=True)
+            st = self.restores.pop(pod_id)
+            shutil.rmtree(st.dir, ignore_errors=True)
+            self._end_prefetch(st.checkpoint, f"pod {st.pod} is gone")
         self.restorer.replicas.prune([i for i in recorded if i not in alive])
 
     async def sweep(self) -> None:
@@ -197,7 +201,14 @@ class PodRestores:
         # The kubelet's request, byte for byte, with the restore handler appended
         # (a later occurrence of a scalar field wins when protobuf parses).
         override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
-        resp_raw = await self._forward_run(raw + override, context)
+        # What the pull left in the registry comes while the sandbox is made and the kubelet pulls the images
+        # and creates the containers.
+        self.restorer.lazy.prefetch(self.store, record, f"pod {where}")
+        try:
+            resp_raw = await self._forward_run(raw + override, context)
+        except BaseException:
+            self._end_prefetch(record.id, f"the sandbox of pod {where} was not made")
+            raise
         pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
         names = [c[0] for c in saved.containers]
         st = _PodRestore(pod_id, record.id, where, saved.options, list(names),
@@ -209,6 +220,7 @@ class PodRestores:
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             shutil.rmtree(st.dir, ignore_errors=True)
+            self._end_prefetch(record.id, f"the sandbox of pod {where} was not kept")
             await asyncio.shield(asyncio.ensure_future(self.restorer.undoer.remove_sandbox(pod_id, where)))
             await self._refuse(context, exc, where, ref)
         self.restores[pod_id] = st
@@ -380,6 +392,7 @@ class PodRestores:
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             await restorer.lazy.cancel(st.op)
+            self._end_prefetch(st.checkpoint, f"the restore of pod {st.pod} failed", st)
             shutil.rmtree(plan_dir, ignore_errors=True)
             try:
                 await self.checkpointer.cri.remove_container(cid)
@@ -426,9 +439,15 @@ class PodRestores:
         st = self.restores.pop(pod_id, None)
         if st is not None:
             shutil.rmtree(st.dir, ignore_errors=True)
+            self._end_prefetch(st.checkpoint, f"pod {st.pod} was removed")
         if pod_id:
             self.restorer.replicas.forget(pod_id)
         return resp
+
+    def _end_prefetch(self, checkpoint_id: str, why: str, failed: _PodRestore | None = None) -> None:
+        """No more fetches ahead of `checkpoint_id`'s restore, unless a Pod (but `failed`) still restores it."""
+        if not any(st.checkpoint == checkpoint_id and st.pending and st is not failed for st in self.restores.values()):
+            self.restorer.lazy.stop_prefetch(checkpoint_id, why)
 
     async def _after_failed_restore(self, sandbox: str, name: str, context: grpc.aio.ServicerContext) -> None:
         """Refuse to create a container again where its restore failed (`restore.after-failed-restore: refuse`).

@@ -175,6 +175,10 @@ class RegistrySettings(_Section, frozen=True):
     # Blobs one push or pull moves at once, each lane on kept-alive
     # connections of its own (1: one blob after another).
     connections: AtLeastOne = 8
+    # Fetch what a lazy pull left in the registry from the moment a restore
+    # of it begins (a Pod's RunPodSandbox, the API's or the CLI's restore)
+    # until its page source takes over (docs/lazy-restore.md).
+    prefetch: bool = True
     # containerd's registry hosts directory (its CRI `config_path`; several
     # roots separated by ':'): mirrors, CAs, client certificates and headers
     # per registry host, read as containerd reads them. Empty: none.

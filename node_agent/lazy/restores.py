@@ -18,6 +18,11 @@ now (`Origins.settle`). A restore that fails cancels the sessions it
 started; an agent that stops ends the sessions not connected yet and lets
 the others go on alone (`shutdown`).
 
+Before a restore of a lazily pulled checkpoint connects, `prefetch` fetches
+its chunks from the registry in the order the restore reads them; the first
+of its sessions to connect ends that (`prefetch`), and so does the agent's
+stop.
+
 When a connected container's memory cannot be restored, its whole pod's
 restored containers are stopped (`kill.stop_pod`, through the restorer's
 records of the pod, `node_agent.replicas`): the pod's other sessions are
@@ -32,12 +37,14 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 from criu_bridge.wrapper import FAILED, RESTORED
 from node_agent import errors
 from node_agent.config.schema import Settings
 from node_agent.lazy.kill import kill_container, stop_pod
+from node_agent.lazy.prefetch import Prefetch
 from node_agent.lazy.session import LazySession
 from node_agent.lazy.source import DONE_FILE, FAILED_FILE
 from node_agent.lazy.spare import Spare
@@ -92,6 +99,8 @@ class LazyRestores:
         self._sessions: set[LazySession] = set()
         # A page source started ahead, for the next session (`prepare`).
         self.spare = Spare()
+        # The fetches ahead of restores of lazily pulled checkpoints, by checkpoint (`prefetch`).
+        self._prefetches: dict[str, Prefetch] = {}
 
     def prepare(self) -> None:
         """Keep a page source started ahead (`spare`) unless lazy restore is set to ``never``. Whether CRIU and
@@ -161,10 +170,28 @@ class LazyRestores:
                               private_store=private is not None, exists=exists,
                               seal_key=seal_key, sandbox=replica.sandbox if replica is not None else "",
                               pod_failed=self._pod_failed, filled=filled, spare=self.spare,
+                              on_connected=partial(self.stop_prefetch, record.id, "the page source took over"),
                               memory=memory if memory is not None else Memory(store, record))
         self._by_op.setdefault(op_id, []).append(session)
         await session.start()
         self._track(session, store)
+
+    def prefetch(self, store: Store, record: CheckpointRecord, what: str) -> None:
+        """Fetch the chunks a lazy pull left in the registry ahead of `record`'s restore (`prefetch`), unless
+        that is under way or `registry.prefetch` is off; nothing for a checkpoint whose blobs are all in `store`."""
+        for cid in [c for c, p in self._prefetches.items() if not p.running]:
+            del self._prefetches[cid]
+        if not self.settings.registry.prefetch or record.id in self._prefetches or store.origins.get(record.id) is None:
+            return
+        ahead = Prefetch(store, record, store.origins.fetch_lanes, what)
+        self._prefetches[record.id] = ahead
+        ahead.start()
+
+    def stop_prefetch(self, checkpoint_id: str, why: str) -> None:
+        """End the fetches ahead of `checkpoint_id`'s restore, if any: those under way end by themselves."""
+        ahead = self._prefetches.get(checkpoint_id)
+        if ahead is not None:
+            ahead.stop(why)
 
     async def failure(self, op_id: str, container_id: str, wait: float, *, early: bool = False) -> str:
         """Why the lazy transfer of `container_id` in restore `op_id` failed ("" if it did not); `early`: see
@@ -195,6 +222,10 @@ class LazyRestores:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ahead in self._prefetches.values():
+            ahead.stop("the agent stops")
+        for ahead in self._prefetches.values():  # a fetch under way ends (bounded by registry.io-timeout)
+            await asyncio.to_thread(ahead.wait)
         await self.spare.close()
 
     async def _pod_failed(self, session: LazySession, reason: str) -> int:

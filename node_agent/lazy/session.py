@@ -111,6 +111,9 @@ class LazySession:
     memory: Memory | None = None
     # The agent's started, idle page source (`spare`), taken for this restore when there is one.
     spare: Spare | None = None
+    # Called once the restore connected (the page source takes over the transfer): ends the fetches ahead
+    # of it (`prefetch`).
+    on_connected: Callable[[], None] | None = None
     # (pages in, pages in all) as the source last reported them.
     progress: tuple[int, int] | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -349,6 +352,8 @@ class LazySession:
         if event.get("event") != "connected":
             return Outcome(False, f"unexpected message from the page source: {event!r}")
         self._connected = True
+        if self.on_connected is not None:
+            self.on_connected()
         log.info("restore of pod %s, container %s: the restored process connected, its pages stream in",
                  self.pod, self.container, extra={"pod": self.pod, "container": self.container, "phase": "lazy-pages"})
         while True:

@@ -11,7 +11,9 @@ threads (``drain`` waits for them, as ``Origins.settle`` does). The chunks
 one connection fetches go into one import (its lease in ``ingest/``), ended
 after ``IMPORT_BATCH`` of them, after a failure, at ``drain`` while the
 connection is idle, and at ``close``: an import per chunk would cost a
-directory, a lease and a thread per megabyte.
+directory, a lease and a thread per megabyte. A fetch of a blob another
+thread is fetching waits for that fetch and gets its bytes (a restore's
+reader behind the fetches ahead of it, `lazy.prefetch`).
 
 A reader that cannot wait for the registry to come back fails at once; a
 page source, whose restored process is already running, retries a fetch
@@ -29,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any, Final, Protocol
 
 from node_agent.config.schema import RegistrySettings
@@ -109,6 +112,7 @@ class RemoteBlobs:
         self._lock = threading.Condition()
         self._imports: dict[int, tuple[BlobImporter[Record], int]] = {}  # id(route) -> its import, blobs in it
         self._busy: set[int] = set()  # id() of the routes a fetch holds
+        self._inflight: dict[str, Future[bytes | None]] = {}  # digest -> the fetch of it under way
         self._ending = Offload(1, "fetch-end")  # ends an import once its blobs are linked
         self.fetched = 0
 
@@ -178,7 +182,33 @@ class RemoteBlobs:
         return Route(ref, endpoints, timeout=self.timeout, settings=self.settings, actions="pull", tokens=tokens)
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
-        """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already)."""
+        """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already).
+
+        A fetch of a blob another thread is fetching now waits for that one
+        and gets its bytes; when that one fails, it tries for itself.
+        """
+        with self._lock:
+            other = self._inflight.get(chunk.digest)
+            if other is None:
+                mine: Future[bytes | None] = Future()
+                self._inflight[chunk.digest] = mine
+        if other is not None:
+            try:
+                return other.result()
+            except Exception:  # noqa: BLE001 - logged by that fetch; this one tries for itself
+                return self(origin, chunk)
+        try:
+            data = self._fetch_with_retries(origin, chunk)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[chunk.digest]
+        mine.set_result(data)
+        return data
+
+    def _fetch_with_retries(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
         start = time.monotonic()
         tries = 0
         pieces: list[bytes] = []

@@ -4,11 +4,14 @@ A memhog pod (memory filled from a seed, answering with its checksum) is checkpo
 pushed to a real registry on loopback; another node restores it through the Pod path, with the kubelet's
 calls in the kubelet's order. The registry's own log counts the bytes it served for the checkpoint:
 
-- lazily (the node's default): when RunPodSandbox returns, the node has fetched less than a twentieth of
-  the checkpoint (its manifest, config and saved configs), and holds no plan and no plaintext; the
-  container, once started, is the same process with the same memory (its checksum), its memory streams in
-  from the registry, and the checkpoint ends up whole in the node's store (its origin settled, every blob
-  verified);
+- lazily (the node's default) without fetching ahead (`registry.prefetch: false`): when RunPodSandbox
+  returns, the node has fetched less than a twentieth of the checkpoint (its manifest, config and saved
+  configs), and holds no plan and no plaintext; the container, once started, is the same process with the
+  same memory (its checksum), its memory streams in from the registry, and the checkpoint ends up whole in
+  the node's store (its origin settled, every blob verified);
+- lazily, fetching ahead (the default), on a store without the checkpoint's blobs: while the kubelet is
+  held where it pulls the image, every blob comes into the store before CreateContainer; the replica is
+  the same process with the same memory, and the origin served each blob once;
 - with `lazy-restore: never`: RunPodSandbox fetches as little, and CreateContainer reads everything, so the
   checkpoint is whole in the store before StartContainer, the plan holds all the memory, and the same
   process comes back.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,7 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
         origins = Path(node2.store) / "origins" / (digest_hex(ckpt) + ".json")
         rules = f"restore:\n  pod-registries: [{origin.host}/ckpts]\n  pod-sources:\n    {DST}: [{NS}]\n"
 
-        def replica(seen: dict[str, Any]) -> StartedPod:
+        def replica(seen: dict[str, Any], pulling: Callable[[], None] = lambda: None) -> StartedPod:
             before = origin.blob_bytes_served(digests)
 
             def sandboxed(sandbox: str) -> None:
@@ -73,6 +76,7 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
                 seen["extra"] = _plaintext_free(node2, sandbox)
                 seen["plans"] = sorted(p.name for p in (Path(node2.store) / "plans").iterdir())
                 seen["origin_recorded"] = origins.exists()
+                pulling()  # where the kubelet pulls the image: on a fresh node, seconds
 
             pcfg = pod_config(node2, DST, f"p-{secrets.token_hex(3)}")
             pcfg["annotations"] = {RESTORE_FROM: ref}
@@ -87,8 +91,8 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
             assert ask(new_ip).split("sum=")[1] == checksum, "not the checkpointed memory"
             return pod
 
-        # Lazily, the node's default.
-        with reconfigured(node2, rules):
+        # Lazily, the node's default, without fetching ahead: what RunPodSandbox itself takes.
+        with reconfigured(node2, rules + "registry:\n  prefetch: false\n"):
             seen: dict[str, Any] = {}
             pod = replica(seen)
             assert seen["at_sandbox"] < 0.05 * stored, (seen["at_sandbox"], stored)
@@ -101,6 +105,27 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
             wait_for(lambda: not origins.exists(), timeout=120, what="every blob to be in the node's store")
             node2.cli("checkpoints", "verify", ckpt)
             assert origin.blob_bytes_served(digests) >= 0.9 * stored
+
+        remove_pod(node2, made.pop())
+        node2.cli("checkpoints", "rm", ckpt)
+        node2.cli("gc")  # its blobs go too: the next restore starts from a store without them
+
+        # Lazily, fetching ahead (the default): while the kubelet pulls the image, the rest comes in.
+        blob = Path(node2.store) / "blobs" / "sha256"
+        with reconfigured(node2, rules):
+            before = origin.blob_bytes_served(digests)
+            seen = {}
+            assert not any((blob / digest_hex(d)).exists() for d in digests)
+
+            def whole() -> bool:
+                return all((blob / digest_hex(d)).exists() for d in digests)
+
+            pod = replica(seen, lambda: wait_for(whole, timeout=120, what="every blob before CreateContainer"))
+            assert seen["state"]["lazy"] is True and seen["origin_recorded"], seen
+            wait_for(lambda: not origins.exists(), timeout=120, what="the origin to be settled")
+            node2.cli("checkpoints", "verify", ckpt)
+            # Each blob crossed the network once: nothing fetched ahead was fetched again by a reader.
+            assert origin.blob_bytes_served(digests) - before == stored
 
         remove_pod(node2, made.pop())
         node2.cli("checkpoints", "rm", ckpt)

@@ -1,0 +1,211 @@
+"""Fetching ahead of a restore: what a lazy pull left in the registry comes in before the restore asks.
+
+A real HTTP server on loopback serves the blobs (`GET /v2/<repo>/blobs/<digest>`) and can hold a request
+until the test lets it go; the store, the fetcher and the threads are the agent's own. Order is proven by
+the requests the server saw and by events, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node_agent.config.loading import from_mapping
+from node_agent.lazy.prefetch import Prefetch, order
+from node_agent.lazy.restores import LazyRestores
+from node_agent.registry.fetching import RemoteBlobs
+from node_agent.replicas import Replicas
+from node_agent.store import CheckpointRecord, Store
+from testbed.httpanswers import LoopbackServer, answer
+from test_lazy_failures import PAGES as PAGES_N, Pod, _pages, pod  # noqa: F401 - the restored pod's harness and its fixture
+
+PAGES = "containers/app/checkpoint/pages-1.img"
+STATE = "containers/app/checkpoint/core-1.img"
+CONFIG = "containers/app/config.dump"
+
+
+class Blobs:
+    """A registry's blob endpoint on 127.0.0.1; ``hold``: the first request waits until `release`."""
+
+    def __init__(self, blobs: dict[str, bytes], hold: bool = False) -> None:
+        self.blobs = blobs
+        self.requests: list[str] = []
+        self.arrived = threading.Event()
+        self.released = threading.Event()
+        if not hold:
+            self.released.set()
+        self._lock = threading.Lock()
+        self.server = LoopbackServer(self._respond, name="blobs")
+        self.server.start()
+
+    def _respond(self, handler: BaseHTTPRequestHandler) -> None:
+        with self._lock:
+            first = not self.requests
+            self.requests.append(handler.path.rsplit("/", 1)[-1])
+        if first:
+            self.arrived.set()
+            self.released.wait(60)
+        data = self.blobs.get(handler.path.rsplit("/", 1)[-1])
+        answer(handler, 200 if data is not None else 404, data or b"")
+
+    def origin(self) -> dict[str, Any]:
+        return {"reference": f"127.0.0.1:{self.server.port}/ckpt/web@sha256:" + "0" * 64, "plain_http": True}
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.stop()
+
+
+def _lazily_pulled(tmp_path: Path, connections: int = 2) -> tuple[Store, CheckpointRecord, dict[str, bytes]]:
+    """A checkpoint published in a store with its chunk blobs still only at an origin, as a lazy pull leaves
+    it: memory, process state and a config, in small chunks; and the blobs as the origin serves them."""
+    store = Store(tmp_path / "store", chunk_size=64 << 10)
+    rnd = random.Random(11)
+    with store.writer() as w:
+        w.add_bytes(PAGES, rnd.randbytes(512 << 10))
+        w.add_bytes(STATE, rnd.randbytes(192 << 10))
+        w.add_bytes(CONFIG, b'{"config": {}}')
+        record = w.commit({"kind": "test"})
+    blobs = {c.digest: Path(store.blob_path(c.digest)).read_bytes() for e in record.files for c in e.chunks}
+    for digest in blobs:
+        Path(store.blob_path(digest)).unlink()
+    store.origins.fetcher = RemoteBlobs(store, settings=from_mapping({"registry": {"connections": connections}}).registry)
+    store.origins.fetch_lanes = connections
+    return store, record, blobs
+
+
+@pytest.fixture
+def close_after() -> Iterator[list[Any]]:
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        thing.close()
+
+
+def test_the_order_is_every_file_but_the_memory_first_then_the_memory_each_chunk_once(
+    tmp_path: Path, close_after: list[Any]
+) -> None:
+    store, record, _blobs = _lazily_pulled(tmp_path)
+    close_after.append(store.origins.fetcher)
+    chunks = order(store, record)
+    memory = [c.digest for c in record.entry(PAGES).chunks]
+    rest = [c.digest for p in (STATE, CONFIG) for c in record.entry(p).chunks]
+    got = [c.digest for c in chunks]
+    assert sorted(got[:len(rest)]) == sorted(rest) and got[len(rest):] == memory
+    assert len(set(got)) == len(got)
+    # What is in the store already is not in it.
+    Path(store.blob_path(memory[0])).write_bytes(b"")  # presence is all `order` asks about
+    assert memory[0] not in [c.digest for c in order(store, record)]
+
+
+def test_it_fetches_every_missing_chunk_into_the_store_each_once(tmp_path: Path, close_after: list[Any]) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path)
+    server = Blobs(blobs)
+    close_after += [store.origins.fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    ahead = Prefetch(store, record, 2, "pod ns/web")
+    ahead.start()
+    assert ahead.wait(60) and ahead.complete
+    store.origins.fetcher.drain()  # type: ignore[union-attr]
+    assert all(store.has_blob(d) for d in blobs)
+    assert sorted(server.requests) == sorted(blobs) and ahead.fetched == len(blobs)
+    assert store.origins.settle(record.id)  # whole: its origin is forgotten
+    assert store.verify(record.id) == []
+
+
+def test_stopped_it_fetches_nothing_more_and_the_fetch_under_way_ends_first(
+    tmp_path: Path, close_after: list[Any]
+) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path, connections=1)
+    server = Blobs(blobs, hold=True)
+    close_after += [store.origins.fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    ahead = Prefetch(store, record, 1, "pod ns/web")
+    ahead.start()
+    assert server.arrived.wait(30), "the first fetch did not reach the registry"
+    ahead.stop("the page source took over")
+    assert ahead.running  # its fetch is under way, held by the registry
+    server.released.set()
+    assert ahead.wait(60) and not ahead.complete
+    store.origins.fetcher.drain()  # type: ignore[union-attr]
+    assert len(server.requests) == 1 and ahead.fetched == 1
+    assert sum(store.has_blob(d) for d in blobs) == 1
+
+
+def test_a_fetch_of_a_blob_already_on_its_way_waits_for_it_and_the_registry_serves_it_once(
+    tmp_path: Path, close_after: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path)
+    server = Blobs(blobs, hold=True)
+    close_after += [store.origins.fetcher, server]
+    fetcher = store.origins.fetcher
+    assert isinstance(fetcher, RemoteBlobs)
+    waiting = threading.Event()
+
+    class Watched(Future[Any]):
+        def result(self, timeout: float | None = None) -> Any:
+            waiting.set()  # a second fetcher of the blob waits on the first
+            return super().result(timeout)
+
+    monkeypatch.setattr("node_agent.registry.fetching.Future", Watched)
+    chunk = record.entry(PAGES).chunks[0]
+    got: list[bytes | None] = []
+
+    def fetch() -> None:
+        got.append(fetcher(server.origin(), chunk))
+
+    first, second = threading.Thread(target=fetch), threading.Thread(target=fetch)
+    first.start()
+    assert server.arrived.wait(30)
+    second.start()
+    assert waiting.wait(30), "the second fetch did not wait for the first"
+    server.released.set()
+    first.join(30)
+    second.join(30)
+    assert got == [blobs[chunk.digest]] * 2 and server.requests == [chunk.digest]
+    fetcher.drain()
+    assert store.has_blob(chunk.digest)
+
+
+async def test_the_node_can_turn_it_off_and_the_agents_stop_ends_it(tmp_path: Path, close_after: list[Any]) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path, connections=1)
+    server = Blobs(blobs, hold=True)
+    close_after += [store.origins.fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    off = LazyRestores(from_mapping({"registry": {"prefetch": False}}), Replicas(str(tmp_path / "r1")))
+    off.prefetch(store, record, "pod ns/web")
+    assert off._prefetches == {}
+    lazy = LazyRestores(from_mapping({}), Replicas(str(tmp_path / "r2")))
+    lazy.prefetch(store, record, "pod ns/web")
+    lazy.prefetch(store, record, "pod ns/other")  # one at a time per checkpoint
+    (ahead,) = lazy._prefetches.values()
+    assert server.arrived.wait(30)
+    server.released.set()
+    await lazy.shutdown()
+    assert not ahead.running and len(server.requests) <= len(blobs)
+
+
+async def test_the_restore_connecting_ends_the_fetches_ahead_of_it(pod: Pod) -> None:  # noqa: F811
+    """The page source takes over once the restore connects: the agent's fetches ahead of it stop then."""
+    pod.lazy_process("app")
+    ckpt = pod.checkpoint({"app": _pages(1)})
+    pod.record("app", ckpt, True)
+    ahead = Prefetch(pod.store, pod.store.get(ckpt), 1, "pod ns/web")  # not started: only its stop is watched
+    pod.lazy._prefetches[ckpt] = ahead
+    session = await pod.start("app", ckpt)
+    assert ahead.why == ""
+    await pod.connect("app")
+    async with asyncio.timeout(60):
+        outcome = await session.wait()
+    assert outcome.ok, outcome.message
+    assert ahead.why == "the page source took over"
+    assert pod.ask("app", f"hash 0 {PAGES_N}") == hashlib.sha256(_pages(1)).hexdigest()  # its own memory
