@@ -204,18 +204,23 @@ def store_cost(blobs: list[tuple[str, int]], scratch: str) -> float:
     data = memoryview(bytes(max((size for _, size in blobs), default=0)))  # what the bytes are costs nothing
     started = time.thread_time()
     for digest, size in blobs:
-        name = digest.split(":", 1)[1]
-        temp = os.path.join(scratch, f"blob-{name}")
-        out = NewFile(temp)
-        try:
-            out.write(data[:size])
-            out.finish()
-            os.fsync(out.fd)
-        finally:
-            out.close()
-        os.rename(temp, os.path.join(scratch, name))
+        _keep(scratch, digest, data[:size])
     fsync_dir(scratch)
     return round(time.thread_time() - started, 4)
+
+
+def _keep(scratch: str, digest: str, data: memoryview) -> None:
+    """One blob written as a store keeps it: a new file, past the page cache, fsynced, renamed into place."""
+    name = digest.split(":", 1)[1]
+    temp = os.path.join(scratch, f"blob-{name}")
+    out = NewFile(temp)
+    try:
+        out.write(data)
+        out.finish()
+        os.fsync(out.fd)
+    finally:
+        out.close()
+    os.rename(temp, os.path.join(scratch, name))
 
 
 def get_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]], connections: int,
@@ -238,6 +243,38 @@ def get_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]],
         return got
 
     return _lanes(registry, blobs, connections, timeout, "GET the checkpoint's blobs", one)
+
+
+def pull_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]], connections: int, scratch: str,
+               timeout: float) -> dict[str, Any]:
+    """Every blob of the checkpoint read from `registry` by GET, as a pull must at the least and nothing more:
+    its sha256 computed as the bytes arrive and checked, then written as a store keeps it, in the new
+    directory `scratch` on a node's store's filesystem (a new file, past the page cache, fsynced and renamed;
+    the directory fsynced at the end): the bound of a full pull of the same blobs on as many connections,
+    by a bare client. The caller removes `scratch` (see `store_cost`)."""
+    os.mkdir(scratch, 0o700)
+    mine = threading.local()  # a buffer per lane
+
+    def one(conn: http.client.HTTPConnection, digest: str, size: int) -> int:
+        buf = getattr(mine, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = mine.buf = memoryview(bytearray(max(size, 1 << 20)))
+        conn.request("GET", f"/v2/{repository}/blobs/{digest}")
+        resp = conn.getresponse()
+        hasher = hashlib.sha256()
+        got = 0
+        while got < size and (n := resp.readinto(buf[got:size])):
+            hasher.update(buf[got:got + n])
+            got += n
+        if resp.read(1) or resp.status != 200 or got != size or "sha256:" + hasher.hexdigest() != digest:
+            raise BenchError(f"GET blob {digest}: HTTP {resp.status}, {got} of {size} bytes, or not its digest")
+        _keep(scratch, digest, buf[:size])
+        return got
+
+    done = _lanes(registry, blobs, connections, timeout, "GET, check and keep the checkpoint's blobs", one)
+    fsync_dir(scratch)
+    done["s"] = round(time.monotonic() - done["m0"], 4)
+    return done
 
 
 def put_bound(registry: Registry, repository: str, blobs: list[tuple[str, int]], blob_dir: str, connections: int,
@@ -479,10 +516,14 @@ class Columns:
         node, origin = self.cluster.targets["b"], self.cluster.reg
         self.cluster.fresh(node)
         scratch = os.path.join(os.path.dirname(node.b.store), f".store-cost-{label}")
+        kept = os.path.join(os.path.dirname(node.b.store), f".pull-bound-{label}")
         try:  # the scratch blobs are deleted as B's store is emptied, or on any failure before
             store = {"cpu_s": store_cost(self.model.blobs, scratch)}
             get = get_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, self.timeout)
             get.update(self._cpu(get.pop("m0"), get["s"]))
+            self.cluster.settle()
+            bare = pull_bound(origin, CKPT_REPO, self.model.blobs, self.cluster.connections, kept, self.timeout)
+            bare.update(self._cpu(bare.pop("m0"), bare["s"]))
             self.cluster.settle()
             assert self.cluster.cache is not None, "the fan-out made the cache"
             cache_get = get_bound(self.cluster.cache, CKPT_REPO, self.model.blobs, self.cluster.connections,
@@ -497,6 +538,7 @@ class Columns:
                 self.cluster.point(node, self.cluster.cache)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(kept, ignore_errors=True)
         if result.checkpoint_id != self.model.ckpt:
             raise BenchError(f"pull of {self.model.ckpt_ref} on B gave {result.checkpoint_id}")
         pull = {"s": round(took, 4), "bytes": int(result.bytes_transferred), "blobs": int(result.blobs_transferred),
@@ -512,6 +554,6 @@ class Columns:
         put = put_bound(origin, f"ckpts/put-{label}-{secrets.token_hex(3)}", self.model.blobs,
                         os.path.join(self.cluster.b.store, "blobs", "sha256"), self.cluster.connections, self.timeout)
         put.update(self._cpu(put.pop("m0"), put["s"]))
-        return {"get": get, "cache_get": cache_get, "pull": pull, "push": push, "put": put,
+        return {"get": get, "cache_get": cache_get, "pull_bound": bare, "pull": pull, "push": push, "put": put,
                 "sha256": {"cpu_s": verify_cost(self.model.stored)},
                 "store": store}
