@@ -5,8 +5,8 @@ does only what must come before the sandbox: it finds the checkpoint (a
 registry reference is pulled with everything but its saved configs left in
 the registry, `lazy.remote.beyond_sandbox`), admits it, checks the node's
 CPU against it and forwards the kubelet's request with the restore handler;
-what the pull left in the registry is fetched from then on, in the
-background, until the restored process connects (`lazy.prefetch`).
+once the sandbox is made, what the pull left in the registry is fetched in
+the background until the restored process connects (`lazy.prefetch`).
 The kubelet pulls each container's image after that; `CreateContainer` of
 each checkpointed container checks the image is the checkpoint's, reads
 and verifies that container's files (and the pod's /dev/shm, before the
@@ -201,14 +201,7 @@ class PodRestores:
         # The kubelet's request, byte for byte, with the restore handler appended
         # (a later occurrence of a scalar field wins when protobuf parses).
         override = cri.RunPodSandboxRequest(runtime_handler=self.settings.runtime_handler).SerializeToString()
-        # What the pull left in the registry comes while the sandbox is made and the kubelet pulls the images
-        # and creates the containers.
-        self.restorer.lazy.prefetch(self.store, record, f"pod {where}")
-        try:
-            resp_raw = await self._forward_run(raw + override, context)
-        except BaseException:
-            self._end_prefetch(record.id, f"the sandbox of pod {where} was not made")
-            raise
+        resp_raw = await self._forward_run(raw + override, context)
         pod_id = cri.RunPodSandboxResponse.FromString(resp_raw).pod_sandbox_id
         names = [c[0] for c in saved.containers]
         st = _PodRestore(pod_id, record.id, where, saved.options, list(names),
@@ -220,12 +213,13 @@ class PodRestores:
             st.save()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
             shutil.rmtree(st.dir, ignore_errors=True)
-            self._end_prefetch(record.id, f"the sandbox of pod {where} was not kept")
             await asyncio.shield(asyncio.ensure_future(self.restorer.undoer.remove_sandbox(pod_id, where)))
             await self._refuse(context, exc, where, ref)
         self.restores[pod_id] = st
         log.info("pod %s: sandbox %s made to restore checkpoint %s%s", where, pod_id[:13], record.id,
                  " (lazily)" if lazy else "", extra={"pod": where, "checkpoint": record.id, "phase": "sandbox"})
+        # What the pull left in the registry comes while the kubelet pulls the images and creates the containers.
+        self.restorer.lazy.prefetch(self.store, record, f"pod {where}")
         return resp_raw
 
     async def _resolve_checkpoint(self, ref: str, namespace: str, where: str,

@@ -38,7 +38,7 @@ from node_agent.config.schema import RegistrySettings
 from node_agent.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
 from node_agent.offload import Offload
 from node_agent.registry.auth import Credentials, TokenCache
-from node_agent.registry.endpoints import RegistryAccess, Route
+from node_agent.registry.endpoints import Endpoint, RegistryAccess, Route
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobImporter, BlobSink, Record
 from node_agent.registry.pulling import _import_blob
@@ -52,6 +52,9 @@ BACKOFF_MAX: Final = 2.0
 """Waits between tries of a fetch: doubling from the first to the largest, cut to the time left."""
 IMPORT_BATCH: Final = 64
 """Blobs one connection's import takes before it is ended and the next one begun."""
+HOSTS_FOR: Final = 1.0
+"""Seconds an origin's hosts, as the node's registry hosts configuration names them, are used before it is read
+again: a route made for hosts no longer configured (a mirror replaced or removed) is not used again."""
 
 
 class ChunkLike(Protocol):
@@ -109,6 +112,7 @@ class RemoteBlobs:
         self._idle: dict[str, list[Route]] = {}  # reference -> routes not in use
         self._open: dict[str, int] = {}  # reference -> routes made (in use or idle)
         self._tokens: dict[str, TokenCache] = {}  # reference -> the bearer tokens its routes share
+        self._hosts: dict[str, tuple[float, list[Endpoint]]] = {}  # reference -> (read when, its hosts then)
         self._lock = threading.Condition()
         self._imports: dict[int, tuple[BlobImporter[Record], int]] = {}  # id(route) -> its import, blobs in it
         self._busy: set[int] = set()  # id() of the routes a fetch holds
@@ -127,13 +131,14 @@ class RemoteBlobs:
         reference = str(origin["reference"])
         lanes = (self.settings or RegistrySettings()).connections
         with self._lock:
+            endpoints = self._endpoints(origin, reference)
             while True:
                 idle = self._idle.setdefault(reference, [])
                 if idle:
                     route = idle.pop()
                     break
                 if self._open.get(reference, 0) < lanes:
-                    route = self._new_route(origin, reference)
+                    route = self._new_route(origin, reference, endpoints)
                     self._open[reference] = self._open.get(reference, 0) + 1
                     break
                 self._lock.wait()
@@ -143,8 +148,41 @@ class RemoteBlobs:
         finally:
             with self._lock:
                 self._busy.discard(id(route))
-                self._idle.setdefault(reference, []).append(route)
+                held = self._hosts.get(reference)
+                if held is None or held[1] == route.endpoints:
+                    self._idle.setdefault(reference, []).append(route)
+                else:  # made for hosts no longer configured
+                    self._drop([route], reference)
                 self._lock.notify()
+
+    def _endpoints(self, origin: Mapping[str, Any], reference: str) -> list[Endpoint]:
+        """The origin's hosts as the node's configuration names them now (read again after ``HOSTS_FOR``
+        seconds); idle routes made for other hosts go. The caller holds the lock."""
+        now = time.monotonic()
+        held = self._hosts.get(reference)
+        if held is not None and now - held[0] < HOSTS_FOR:
+            return held[1]
+        ref = parse_reference(reference)
+        if ref.digest is None:
+            raise InvalidArgument(f"origin {reference} is not pinned by digest")
+        creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
+        endpoints = RegistryAccess.of(self.settings).endpoints(
+            ref, "pull", creds, node_logins=origin.get("node_logins") is True)
+        if held is not None and held[1] != endpoints:
+            log.info("origin %s: its registry hosts changed (now %s); new fetches go there", reference,
+                     ", ".join(e.name for e in endpoints), extra={"phase": "lazy-fetch"})
+            self._drop(self._idle.pop(reference, []), reference)
+        self._hosts[reference] = (now, endpoints)
+        return endpoints
+
+    def _drop(self, routes: list[Route], reference: str) -> None:
+        """Close routes no longer used (the caller holds the lock); their imports end in the background."""
+        for route in routes:
+            held = self._imports.pop(id(route), None)
+            if held is not None:
+                self._end_later(held[0])
+            route.close()
+        self._open[reference] = max(0, self._open.get(reference, 0) - len(routes))
 
     def _import_for(self, route: Route) -> BlobImporter[Record]:
         """The import the route's fetches go into (the caller holds the route), begun when it has none."""
@@ -171,15 +209,10 @@ class RemoteBlobs:
                 return
         self._end_later(importer)
 
-    def _new_route(self, origin: Mapping[str, Any], reference: str) -> Route:
-        ref = parse_reference(reference)
-        if ref.digest is None:
-            raise InvalidArgument(f"origin {reference} is not pinned by digest")
-        creds = credentials_of(origin, self.passwords.get(repository_key(reference), ""))
-        endpoints = RegistryAccess.of(self.settings).endpoints(
-            ref, "pull", creds, node_logins=origin.get("node_logins") is True)
+    def _new_route(self, origin: Mapping[str, Any], reference: str, endpoints: list[Endpoint]) -> Route:
         tokens = self._tokens.setdefault(reference, TokenCache())
-        return Route(ref, endpoints, timeout=self.timeout, settings=self.settings, actions="pull", tokens=tokens)
+        return Route(parse_reference(reference), endpoints, timeout=self.timeout, settings=self.settings,
+                     actions="pull", tokens=tokens)
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
         """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already).

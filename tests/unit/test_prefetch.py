@@ -26,6 +26,7 @@ from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replicas
 from node_agent.store import CheckpointRecord, Store
 from testbed.httpanswers import LoopbackServer, answer
+from testbed.layout import write_hosts_toml
 from test_lazy_failures import PAGES as PAGES_N, Pod, _pages, pod  # noqa: F401 - the restored pod's harness and its fixture
 
 PAGES = "containers/app/checkpoint/pages-1.img"
@@ -48,13 +49,14 @@ class Blobs:
         self.server.start()
 
     def _respond(self, handler: BaseHTTPRequestHandler) -> None:
+        digest = handler.path.split("?", 1)[0].rsplit("/", 1)[-1]  # a mirror is asked with ?ns=<registry>
         with self._lock:
             first = not self.requests
-            self.requests.append(handler.path.rsplit("/", 1)[-1])
+            self.requests.append(digest)
         if first:
             self.arrived.set()
             self.released.wait(60)
-        data = self.blobs.get(handler.path.rsplit("/", 1)[-1])
+        data = self.blobs.get(digest)
         answer(handler, 200 if data is not None else 404, data or b"")
 
     def origin(self) -> dict[str, Any]:
@@ -209,3 +211,30 @@ async def test_the_restore_connecting_ends_the_fetches_ahead_of_it(pod: Pod) -> 
     assert outcome.ok, outcome.message
     assert ahead.why == "the page source took over"
     assert pod.ask("app", f"hash 0 {PAGES_N}") == hashlib.sha256(_pages(1)).hexdigest()  # its own memory
+
+
+def test_fetches_follow_the_nodes_hosts_when_a_mirror_is_replaced(
+    tmp_path: Path, close_after: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's fetcher lives as long as the agent; the mirror hosts.toml names may change meanwhile (a
+    pull-through cache replaced by another): kept connections to the old one are not used again."""
+    store, record, blobs = _lazily_pulled(tmp_path)
+    first, second, origin = Blobs(blobs), Blobs(blobs), Blobs({})
+    close_after += [first, second, origin]
+    hosts = tmp_path / "certs.d"
+    registry = f"127.0.0.1:{origin.server.port}"
+
+    def mirror(server: Blobs) -> None:
+        write_hosts_toml(hosts, registry, f'server = "http://{registry}"\n'
+                                          f'[host."http://127.0.0.1:{server.server.port}"]\n  capabilities = ["pull"]\n')
+
+    mirror(first)
+    settings = from_mapping({"registry": {"connections": 2, "config-path": str(hosts)}}).registry
+    fetcher = RemoteBlobs(store, settings=settings)
+    close_after.append(fetcher)
+    monkeypatch.setattr("node_agent.registry.fetching.HOSTS_FOR", 0.0)  # read the hosts at every fetch
+    a, b = record.entry(PAGES).chunks[:2]
+    assert fetcher(origin.origin(), a) == blobs[a.digest]
+    mirror(second)
+    assert fetcher(origin.origin(), b) == blobs[b.digest]
+    assert first.requests == [a.digest] and second.requests == [b.digest] and origin.requests == []
