@@ -390,6 +390,7 @@ class RestoreRun:
         self.entry = Entry("restore", data={"sandboxes": [], "plans": []})
         self.created: list[tuple[str, str, str]] = []  # name, container ID, plan nonce
         self.started = False
+        self.fetching_ahead = ""  # the checkpoint whose chunks are fetched ahead of this restore (`lazy.prefetch`)
 
     async def run(self) -> RestoredPod:
         """Hold the checkpoint while it is restored.
@@ -459,6 +460,7 @@ class RestoreRun:
         self.filled = not self.lazy and await svc.lazy.filled(self.options.lazy, record)
         if self.paged and req.source is None:  # the link to its registry is idle until the restore connects
             svc.lazy.prefetch(svc.store, record, f"restore of pod {where}")
+            self.fetching_ahead = record.id
         self.progress(Progress("sandbox", 0, len(saved.containers), message=where + (" (lazy)" if self.lazy else "")))
         # Read and verify every file while containerd makes the sandbox.
         self.staging = staging = os.path.join(self.settings.work_dir, f"restore-{entry.op_id}")
@@ -555,7 +557,8 @@ class RestoreRun:
         short. What the runtime could not remove now, the undoer retries.
         """
         await self.service.lazy.cancel(self.entry.op_id)
-        self.service.lazy.stop_prefetch(self.record.id, "the restore failed")
+        if self.fetching_ahead:
+            self.service.lazy.stop_prefetch(self.fetching_ahead, "the restore failed")
         return await self.service.undoer.undo(self.entry)
 
 
