@@ -17,9 +17,9 @@ and the module that does each:
 3. Stage: `staging` reads each task's pagemap (`pagemap`) and writes the
    pages files sparse, with only the pages that cannot come lazily; the
    restorer (`restoring`) materializes the rest and writes the plan.
-4. Fetch ahead: from the restore's start (a Pod's RunPodSandbox) until it
-   connects, `prefetch` brings what a lazy pull left in the registry into
-   the store, in the order the restore reads it.
+4. Fetch ahead: from the restore's start (for a Pod, once RunPodSandbox has
+   made the sandbox) until it connects, `prefetch` brings what a lazy pull
+   left in the registry into the store, in the order the restore reads it.
 5. Start the helpers, per container, before StartContainer:
    `restores.LazyRestores.start` gives the page source its blobs (a store
    hold, or hard links to a caller's checkpoint) and the origin, and starts
