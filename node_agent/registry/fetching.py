@@ -12,8 +12,8 @@ one connection fetches go into one import (its lease in ``ingest/``), ended
 after ``IMPORT_BATCH`` of them, after a failure, at ``drain`` while the
 connection is idle, and at ``close``: an import per chunk would cost a
 directory, a lease and a thread per megabyte. A fetch of a blob another
-thread is fetching waits for that fetch and gets its bytes (a restore's
-reader behind the fetches ahead of it, `lazy.prefetch`).
+thread is fetching from the same origin waits for that fetch and gets its
+bytes (a restore's reader behind the fetches ahead of it, `lazy.prefetch`).
 
 A reader that cannot wait for the registry to come back fails at once; a
 page source, whose restored process is already running, retries a fetch
@@ -116,7 +116,7 @@ class RemoteBlobs:
         self._lock = threading.Condition()
         self._imports: dict[int, tuple[BlobImporter[Record], int]] = {}  # id(route) -> its import, blobs in it
         self._busy: set[int] = set()  # id() of the routes a fetch holds
-        self._inflight: dict[str, Future[bytes | None]] = {}  # digest -> the fetch of it under way
+        self._inflight: dict[tuple[str, str], Future[bytes | None]] = {}  # (reference, digest) -> its fetch now
         self._ending = Offload(1, "fetch-end")  # ends an import once its blobs are linked
         self.fetched = 0
 
@@ -138,7 +138,7 @@ class RemoteBlobs:
                     route = idle.pop()
                     break
                 if self._open.get(reference, 0) < lanes:
-                    route = self._new_route(origin, reference, endpoints)
+                    route = self._new_route(reference, endpoints)
                     self._open[reference] = self._open.get(reference, 0) + 1
                     break
                 self._lock.wait()
@@ -209,7 +209,7 @@ class RemoteBlobs:
                 return
         self._end_later(importer)
 
-    def _new_route(self, origin: Mapping[str, Any], reference: str, endpoints: list[Endpoint]) -> Route:
+    def _new_route(self, reference: str, endpoints: list[Endpoint]) -> Route:
         tokens = self._tokens.setdefault(reference, TokenCache())
         return Route(parse_reference(reference), endpoints, timeout=self.timeout, settings=self.settings,
                      actions="pull", tokens=tokens)
@@ -217,14 +217,16 @@ class RemoteBlobs:
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
         """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already).
 
-        A fetch of a blob another thread is fetching now waits for that one
-        and gets its bytes; when that one fails, it tries for itself.
+        A fetch of a blob another thread is fetching now from the same
+        origin waits for that one and gets its bytes; when that one fails, it
+        tries for itself.
         """
+        key = (str(origin["reference"]), chunk.digest)
         with self._lock:
-            other = self._inflight.get(chunk.digest)
+            other = self._inflight.get(key)
             if other is None:
                 mine: Future[bytes | None] = Future()
-                self._inflight[chunk.digest] = mine
+                self._inflight[key] = mine
         if other is not None:
             try:
                 return other.result()
@@ -237,7 +239,7 @@ class RemoteBlobs:
             raise
         finally:
             with self._lock:
-                del self._inflight[chunk.digest]
+                del self._inflight[key]
         mine.set_result(data)
         return data
 
