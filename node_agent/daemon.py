@@ -209,7 +209,7 @@ async def _serve_locked(s: Settings, stop: asyncio.Event | None) -> None:
     store = Store(s.store, keys=keys, chunk_size=s.chunk_size)
     from node_agent.registry.fetching import RemoteBlobs
 
-    remote = RemoteBlobs(store, settings=s.registry)
+    remote = RemoteBlobs(store, settings=s.registry, min_free=s.min_free_bytes)
     store.origins.fetcher = remote  # chunks that lazy pulls left in their registries
     store.origins.fetch_lanes = s.registry.connections
     report = await asyncio.to_thread(store.recover)

@@ -15,7 +15,10 @@ already on its way waits for that fetch (`registry.fetching.RemoteBlobs`).
 
 It stops when the page source takes over (the restore connected: the source
 fetches what it lacks, in the order the process needs it), when every chunk
-is in, when the pod goes, when the agent stops, and at its first failure:
+is in, when the pod goes, when the agent stops, before a chunk that would
+leave less than ``min-free-bytes`` free on the store's filesystem (what it
+fetches is for the store; the restore's own readers still get every chunk,
+`registry.fetching`), and at its first failure:
 that is logged, and the restore fetches what it needs itself and reports any
 failure as its own. A fetch under way when it stops ends by itself (`wait`
 waits for it, as the agent's stop does), so nothing it started is left
@@ -55,8 +58,9 @@ def order(store: Store, record: CheckpointRecord) -> list[Chunk]:
 class Prefetch:
     """The fetches ahead of one restore of a lazily pulled checkpoint, on ``lanes`` threads."""
 
-    def __init__(self, store: Store, record: CheckpointRecord, lanes: int, what: str) -> None:
+    def __init__(self, store: Store, record: CheckpointRecord, lanes: int, what: str, min_free: int = 0) -> None:
         self.store = store
+        self.min_free = min_free
         self.checkpoint_id = record.id
         self.what = what
         self._fetch = store.origins.fetch_for(record.id)
@@ -122,6 +126,11 @@ class Prefetch:
             while fetch is not None and (chunk := self._next()) is not None:
                 if self.store.blobs.size_of(chunk.digest) is not None:
                     continue  # a reader fetched it already
+                free = self.store.free_bytes()
+                if free - chunk.stored_size < self.min_free:
+                    self.stop(f"the store's filesystem is short of space ({free} bytes free, min-free-bytes "
+                              f"{self.min_free})")
+                    break
                 fetch(chunk)
                 with self._lock:
                     self.fetched += 1

@@ -183,7 +183,7 @@ class LazyRestores:
             del self._prefetches[cid]
         if not self.settings.registry.prefetch or record.id in self._prefetches or store.origins.get(record.id) is None:
             return
-        ahead = Prefetch(store, record, store.origins.fetch_lanes, what)
+        ahead = Prefetch(store, record, store.origins.fetch_lanes, what, self.settings.min_free_bytes)
         self._prefetches[record.id] = ahead
         ahead.start()
 

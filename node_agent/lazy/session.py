@@ -244,6 +244,7 @@ class LazySession:
             ours.sendall((json.dumps({"origin": self.origin, "passwords": self.passwords, "keys": keys,
                                       "registry": self.settings.registry.as_mapping(),
                                       "lazy_fetch": self.settings.timeouts.lazy_fetch,
+                                      "min_free": self.settings.min_free_bytes,
                                       "replicas": self.settings.replicas_dir, "sandbox": self.sandbox})
                           + "\n").encode())
         except OSError:

@@ -62,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from node_agent import podformat
 from node_agent.config.loading import parse_registry
+from node_agent.config.schema import DEFAULT_MIN_FREE_BYTES
 from node_agent.errors import AgentError
 from node_agent.lazy import background, pagemap
 from node_agent.lazy.chunks import PAGE_SIZE, ChunkCache, SourceError
@@ -322,11 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         passwords = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
         registry = config.get("registry")
         retry_for = config.get("lazy_fetch")
+        min_free = config.get("min_free")
         settings = parse_registry(registry) if isinstance(registry, dict) else None
         fetcher = store.origins.fetcher = RemoteBlobs(
             store, passwords=passwords, settings=settings,
             retry_for=float(retry_for) if isinstance(retry_for, (int, float)) and not isinstance(retry_for, bool)
-            else 60.0)
+            else 60.0,
+            min_free=min_free if isinstance(min_free, int) and not isinstance(min_free, bool) and min_free >= 0
+            else DEFAULT_MIN_FREE_BYTES)
         origin = config.get("origin")
         if not (isinstance(origin, dict) and isinstance(origin.get("reference"), str)):
             origin = None

@@ -64,14 +64,19 @@ class PullBudget:
         """
         planned = self.planned + sum(size for _, size in blobs)
         count = self._count + len(blobs)
-        if planned > self._max:
-            raise ResourceExhausted(
-                f"pull of {self._reference}: {what} is {planned} bytes ({count} blobs by its manifest), "
-                f"more than registry.max-pull-bytes ({self._max} bytes)"
-            )
+        self.bound(planned, count, what)
         self.planned, self._count = planned, count
         self.missing += sum(size for digest, size in blobs if not self._store.has_blob(digest))
         self._look(what)
+
+    def bound(self, size: int, count: int, what: str) -> None:
+        """ResourceExhausted if ``size`` bytes (``count`` blobs) are more than the pull may bring in all: a lazy
+        pull is held to it for the whole checkpoint, what it leaves in the registry included."""
+        if size > self._max:
+            raise ResourceExhausted(
+                f"pull of {self._reference}: {what} is {size} bytes ({count} blobs by its manifest), "
+                f"more than registry.max-pull-bytes ({self._max} bytes)"
+            )
 
     def charge(self, n: int) -> None:
         """Count ``n`` more bytes received, before they are written; ResourceExhausted if over a bound."""

@@ -41,7 +41,7 @@ from node_agent.registry.auth import Credentials, TokenCache
 from node_agent.registry.endpoints import Endpoint, RegistryAccess, Route
 from node_agent.registry.failures import log_failure
 from node_agent.registry.ports import BlobImporter, BlobSink, Record
-from node_agent.registry.pulling import _import_blob
+from node_agent.registry.pulling import _download_blob, _import_blob
 from node_agent.registry.reference import parse_reference
 from node_agent.registry.tally import Tally
 
@@ -103,8 +103,10 @@ class RemoteBlobs:
         timeout: float | None = None,
         settings: RegistrySettings | None = None,
         retry_for: float = 0.0,
+        min_free: int = 0,
     ) -> None:
         self.store = store
+        self.min_free = min_free
         self.passwords = dict(passwords or {})
         self.timeout = timeout
         self.settings = settings
@@ -118,7 +120,13 @@ class RemoteBlobs:
         self._busy: set[int] = set()  # id() of the routes a fetch holds
         self._inflight: dict[tuple[str, str], Future[bytes | None]] = {}  # (reference, digest) -> its fetch now
         self._ending = Offload(1, "fetch-end")  # ends an import once its blobs are linked
+        self._short: set[str] = set()  # references whose blobs are not kept now (the store is short of space)
         self.fetched = 0
+        self.not_kept = 0  # of those fetched, the blobs handed to their readers and not kept
+
+    def may_keep(self, size: int) -> bool:
+        """Whether a blob of ``size`` bytes leaves ``min_free`` bytes free on the store's filesystem."""
+        return self.store.free_bytes() - size >= self.min_free
 
     def remember_password(self, reference: str, password: str) -> None:
         """Keep ``password`` in memory for the chunks later fetched from ``reference``'s repository."""
@@ -215,7 +223,8 @@ class RemoteBlobs:
                      actions="pull", tokens=tokens)
 
     def __call__(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bytes | None:
-        """Fetch the chunk's blob into the store; its bytes, verified on the way in (None: it was there already).
+        """Fetch the chunk's blob into the store (where it has room: see the module's rule); its bytes, verified
+        on the way in (None: it was there already).
 
         A fetch of a blob another thread is fetching now from the same
         origin waits for that one and gets its bytes; when that one fails, it
@@ -250,8 +259,13 @@ class RemoteBlobs:
         while True:
             tries += 1
             try:
+                keep = self._keeping(origin, chunk)
                 with self._route(origin) as route:
-                    fetched = self._fetch(route, chunk, pieces)
+                    if keep:
+                        fetched = self._fetch(route, chunk, pieces)
+                    else:
+                        _download_blob(route, chunk.digest, chunk.stored_size, route.ref.digest or "?", pieces)
+                        fetched = True
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 left = start + self.retry_for - time.monotonic()
@@ -270,11 +284,31 @@ class RemoteBlobs:
                 log_failure(log, f"fetch of blob {chunk.digest}", origin.get("reference"), exc)
                 raise
         self.fetched += 1
+        if not keep:
+            self.not_kept += 1
         if tries > 1:
             log.warning("fetched blob %s from %s after %d tries (%.1fs)", chunk.digest, origin.get("reference"),
                         tries, time.monotonic() - start, extra={"phase": "lazy-fetch"})
         log.debug("fetched blob %s from %s", chunk.digest, origin["reference"])
         return b"".join(pieces) if fetched else None
+
+    def _keeping(self, origin: Mapping[str, Any], chunk: ChunkLike) -> bool:
+        """Whether the store keeps the chunk (see the module's rule); a change is logged once per origin."""
+        keep = self.may_keep(chunk.stored_size)
+        reference = str(origin["reference"])
+        with self._lock:
+            changed = (reference in self._short) == keep
+            if changed:
+                (self._short.discard if keep else self._short.add)(reference)
+        if changed and keep:
+            log.info("the store keeps the blobs fetched from %s again (more than min-free-bytes free)", reference,
+                     extra={"phase": "lazy-fetch"})
+        elif changed:
+            log.warning("the store's filesystem has less than min-free-bytes (%d bytes) free beyond blob %s "
+                        "(%d bytes): blobs fetched from %s are verified and handed to their readers, not kept; "
+                        "the checkpoint stays lazily pulled", self.min_free, chunk.digest, chunk.stored_size,
+                        reference, extra={"phase": "lazy-fetch"})
+        return keep
 
     def _fetch(self, route: Route, chunk: ChunkLike, pieces: list[bytes]) -> bool:
         """One try of a fetch on a route the caller holds: whether the blob was downloaded (else it is in the

@@ -26,6 +26,7 @@ and the reason.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Final, TypeGuard
@@ -208,7 +209,8 @@ def _pull(
         config = refs[0]
         if defer is None:
             budget.plan(blobs, "the checkpoint")
-        else:
+        else:  # all of it comes in the end, on the readers' demand
+            budget.bound(sum(size for _, size in blobs), len(blobs), "the checkpoint")
             budget.plan([(config.digest, config.size)], "what a lazy pull brings now")
         deferred: set[str] = set()
         # Stopped half-way (the registry, the network, the disk), it keeps what it brought for a resume.
@@ -326,6 +328,36 @@ def _import_blob(route: Route, importer: BlobImporter[R], digest: str, size: int
         tally.skip(size)
         return False
     return True
+
+
+def _download_blob(route: Route, digest: str, size: int, manifest: str, keep: list[bytes]) -> None:
+    """One blob into ``keep`` only (its pieces), verified as an import verifies it; nothing goes into a store.
+
+    For a reader that needs the bytes where the store may not keep them
+    (`fetching.RemoteBlobs`, when the store's filesystem is short of space).
+    """
+
+    def attempt(session: Session) -> None:
+        stream = _Download(session, digest, size, manifest, Tally(None).blob(), None, None, keep)
+        try:
+            hasher = hashlib.sha256()
+            got = 0
+            for piece in stream:
+                got += len(piece)
+                if got > size:
+                    raise DataLoss(f"blob {digest}: received more than the expected {size} bytes")
+                hasher.update(piece)
+            if got != size:
+                raise DataLoss(f"blob {digest}: received {got} bytes, expected {size}")
+            if (actual := "sha256:" + hasher.hexdigest()) != digest:
+                raise DataLoss(f"blob {digest}: received bytes hash to {actual}")
+        except BaseException:
+            keep.clear()
+            raise
+        finally:
+            stream.close()
+
+    route.run(attempt)
 
 
 class _Download:

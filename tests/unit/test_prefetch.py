@@ -8,8 +8,11 @@ the requests the server saw and by events, never by sleeping.
 from __future__ import annotations
 
 import asyncio
+import os
 import hashlib
+import logging
 import random
+import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -143,6 +146,45 @@ def test_stopped_it_fetches_nothing_more_and_the_fetch_under_way_ends_first(
     assert sum(store.has_blob(d) for d in blobs) == 1
 
 
+def test_it_stops_before_a_chunk_the_store_has_no_room_for_and_a_reader_still_gets_each_chunk_verified(
+    tmp_path: Path, close_after: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path)
+    server = Blobs(blobs)
+    fetcher = store.origins.fetcher
+    assert isinstance(fetcher, RemoteBlobs)
+    close_after += [fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    short = shutil.disk_usage(store.root).total + 1  # min-free-bytes beyond the filesystem's size: never room
+    ahead = Prefetch(store, record, 2, "pod ns/web", min_free=short)
+    ahead.start()
+    assert ahead.wait(60) and not ahead.complete
+    assert ahead.why.startswith("the store's filesystem is short of space") and f"min-free-bytes {short})" in ahead.why
+    assert server.requests == [] and ahead.fetched == 0
+    # The restore's own reader gets every chunk, verified; the store keeps none while it is short of space.
+    caplog.set_level(logging.INFO, logger="node_agent.registry.fetching")
+    fetcher.min_free = short
+    state = record.entry(STATE)
+    expected = b"".join(blobs[c.digest] for c in state.chunks)  # identity chunks: their blobs are the file
+    with store.open(record, STATE) as reader:
+        assert reader.read() == expected
+    fetcher.drain()
+    assert not any(store.has_blob(c.digest) for c in state.chunks) and fetcher.not_kept == len(state.chunks)
+    assert store.origins.get(record.id) is not None  # still lazily pulled
+    assert [r.message for r in caplog.records].count(
+        f"the store's filesystem has less than min-free-bytes ({short} bytes) free beyond blob "
+        f"{state.chunks[0].digest} ({state.chunks[0].stored_size} bytes): blobs fetched from "
+        f"{server.origin()['reference']} are verified and handed to their readers, not kept; the checkpoint "
+        "stays lazily pulled") == 1
+    # With room again, what is fetched is kept again (said once).
+    fetcher.min_free = 0
+    with store.open(record, STATE) as reader:
+        assert reader.read() == expected
+    fetcher.drain()
+    assert all(store.has_blob(c.digest) for c in state.chunks)
+    assert sum("keeps the blobs fetched from" in r.message and "again" in r.message for r in caplog.records) == 1
+
+
 def test_a_fetch_of_a_blob_already_on_its_way_waits_for_it_and_the_registry_serves_it_once(
     tmp_path: Path, close_after: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -211,6 +253,36 @@ async def test_the_restore_connecting_ends_the_fetches_ahead_of_it(pod: Pod) -> 
     assert outcome.ok, outcome.message
     assert ahead.why == "the page source took over"
     assert pod.ask("app", f"hash 0 {PAGES_N}") == hashlib.sha256(_pages(1)).hexdigest()  # its own memory
+
+
+async def test_a_page_source_on_a_store_short_of_space_fills_the_process_and_keeps_nothing(
+    pod: Pod, close_after: list[Any]  # noqa: F811
+) -> None:
+    """The store's filesystem filled after the lazy pull: the restored process still gets every page, verified;
+    no chunk is kept, and the checkpoint stays lazily pulled (its origin kept for the next restore)."""
+    short = shutil.disk_usage(pod.store.root).total + 1  # min-free-bytes beyond the filesystem's size
+    pod.lazy.settings = from_mapping({"store": pod.settings.store, "runc-root": pod.settings.runc_root,
+                                      "min-free-bytes": short})
+    pod.lazy_process("app")
+    memory = _pages(1)
+    ckpt = pod.checkpoint({"app": memory})
+    chunks = pod.store.get(ckpt).entry("containers/app/checkpoint/pages-1.img").chunks
+    blobs = {c.digest: Path(pod.store.blob_path(c.digest)).read_bytes() for c in chunks}
+    for digest in blobs:  # left in the registry by a lazy pull
+        os.unlink(pod.store.blob_path(digest))
+    server = Blobs(blobs)
+    close_after.append(server)
+    pod.store.origins.remember(ckpt, server.origin())
+    pod.record("app", ckpt, True)
+    session = await pod.start("app", ckpt)
+    await pod.connect("app")
+    async with asyncio.timeout(60):
+        outcome = await session.wait()
+    assert outcome.ok, outcome.message
+    assert pod.ask("app", f"hash 0 {PAGES_N}") == hashlib.sha256(memory).hexdigest()  # its own memory
+    assert sorted(set(server.requests)) == sorted(blobs)
+    assert not any(pod.store.has_blob(d) for d in blobs)
+    assert pod.store.origins.get(ckpt) == server.origin()
 
 
 def test_fetches_follow_the_nodes_hosts_when_a_mirror_is_replaced(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -277,7 +278,9 @@ def test_max_pull_bytes_refuses_before_a_byte_is_written(tmp_path: Path, registr
         == record.id
 
 
-def test_a_lazy_pull_is_bounded_by_what_it_brings_now(tmp_path: Path, registry: Registry, source: Store) -> None:
+def test_a_lazy_pull_is_bounded_by_the_whole_checkpoint_and_needs_room_for_what_it_brings_now(
+    tmp_path: Path, registry: Registry, source: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from node_agent.lazy.remote import memory_chunks
     from node_agent.registry.fetching import RemoteBlobs
 
@@ -285,27 +288,47 @@ def test_a_lazy_pull_is_bounded_by_what_it_brings_now(tmp_path: Path, registry: 
     push(source, record.id, registry.ref("ckpt/web:v1"), PLAIN)
     total = _total(source, record.id)
     dst = Store(tmp_path / "dest-store")
-    tight = RegistrySettings(max_pull_bytes=total - len(PAGES) + 1)
+    free = 1 << 40
+    monkeypatch.setattr(dst, "free_bytes", lambda: free)
     defer = functools.partial(memory_chunks, dst)
-    with pytest.raises(ResourceExhausted, match="the checkpoint is"):
-        _bring(dst, registry.ref("ckpt/web:v1"), settings=tight)
-    with pytest.raises(ResourceExhausted, match="what a lazy pull brings now is"):
-        _bring(dst, registry.ref("ckpt/web:v1"), settings=RegistrySettings(max_pull_bytes=100), defer=defer)
-    report = _bring(dst, registry.ref("ckpt/web:v1"), settings=tight, defer=defer)
+    # What it leaves in the registry comes once a restore reads it: max-pull-bytes counts it.
+    blobs, index = _blobs(dst), _index(dst)
+    with pytest.raises(ResourceExhausted, match=rf"the checkpoint is {total} bytes .*max-pull-bytes"):
+        _bring(dst, registry.ref("ckpt/web:v1"), settings=RegistrySettings(max_pull_bytes=total - 1), defer=defer)
+    _left_as_it_was(dst, blobs, index)
+    # The store's free space need only hold what it brings now (the rest is kept while there is room).
+    room_for_now = free - (total - len(PAGES) + 1)
+    with pytest.raises(ResourceExhausted, match="the checkpoint needs"):
+        _bring(dst, registry.ref("ckpt/web:v1"), min_free_bytes=room_for_now)
+    report = _bring(dst, registry.ref("ckpt/web:v1"), settings=RegistrySettings(max_pull_bytes=total), defer=defer,
+                    min_free_bytes=room_for_now)
     assert report.bytes_downloaded < len(PAGES)
-    # A chunk fetched later is checked against its descriptor: the registry's copy, altered, is refused.
     missing = dst.origins.missing(dst.get(record.id))
     assert missing
-    victim = missing[0]
+    first, victim = missing[0], missing[-1]
+    origin = dst.origins.get(record.id) or {}
+    # Fetched where the store may not keep it: verified, handed over, not kept; the checkpoint stays lazy.
+    short = RemoteBlobs(dst, min_free=free + 1)
+    try:
+        got = short(origin, first)
+        assert got is not None and hashlib.sha256(got).hexdigest() == first.digest.split(":")[1]
+        assert short.not_kept == 1 and not dst.has_blob(first.digest)
+        short.drain()
+        assert not dst.has_blob(first.digest) and dst.origins.get(record.id) == origin
+    finally:
+        short.close()
+    # A chunk fetched later is checked against its descriptor, kept or not: the registry's copy, altered, is
+    # refused.
     data = registry.blob_data(victim.digest)
     data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])
-    fetcher = RemoteBlobs(dst)
-    try:
-        with pytest.raises(DataLoss, match=victim.digest):
-            fetcher(dst.origins.get(record.id) or {}, victim)
-    finally:
-        fetcher.close()
-    assert not dst.has_blob(victim.digest)
+    for min_free in (0, free + 1):
+        fetcher = RemoteBlobs(dst, min_free=min_free)
+        try:
+            with pytest.raises(DataLoss, match=victim.digest):
+                fetcher(origin, victim)
+        finally:
+            fetcher.close()
+        assert not dst.has_blob(victim.digest)
 
 
 def test_free_space_counts_only_the_blobs_the_store_lacks(tmp_path: Path, registry: Registry, source: Store,
