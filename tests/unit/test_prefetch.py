@@ -8,11 +8,13 @@ the requests the server saw and by events, never by sleeping.
 from __future__ import annotations
 
 import asyncio
-import os
 import hashlib
 import logging
+import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -183,6 +185,81 @@ def test_it_stops_before_a_chunk_the_store_has_no_room_for_and_a_reader_still_ge
     fetcher.drain()
     assert all(store.has_blob(c.digest) for c in state.chunks)
     assert sum("keeps the blobs fetched from" in r.message and "again" in r.message for r in caplog.records) == 1
+
+
+class HoldOne(Blobs):
+    """`Blobs`, holding the requests for one blob (and only those) until `release`."""
+
+    def __init__(self, blobs: dict[str, bytes], held: str) -> None:
+        self.held = held
+        super().__init__(blobs, hold=True)
+
+    def _respond(self, handler: BaseHTTPRequestHandler) -> None:
+        digest = handler.path.split("?", 1)[0].rsplit("/", 1)[-1]
+        with self._lock:
+            self.requests.append(digest)
+        if digest == self.held:
+            self.arrived.set()
+            self.released.wait(60)
+        data = self.blobs.get(digest)
+        answer(handler, 200 if data is not None else 404, data or b"")
+
+
+_KILLED = r"""
+import sys, time
+from node_agent.config.loading import from_mapping
+from node_agent.lazy.prefetch import Prefetch
+from node_agent.registry.fetching import RemoteBlobs
+from node_agent.store import Store
+
+store = Store(sys.argv[1], chunk_size=64 << 10)
+store.origins.fetcher = RemoteBlobs(store, settings=from_mapping({"registry": {"connections": 2}}).registry)
+Prefetch(store, store.get(sys.argv[2]), 2, "pod ns/web").start()
+deadline = time.monotonic() + 60  # the blobs fetched are linked by the imports' threads, which go on meanwhile
+while any(store.blobs.size_of(d) is None for d in sys.argv[3:]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("fetched", flush=True)
+sys.stdin.read()  # held here, one fetch under way, until killed
+"""
+
+
+def test_an_agent_killed_while_it_fetches_ahead_leaves_what_it_fetched_and_the_repair_clears_the_rest(
+    tmp_path: Path, close_after: list[Any]
+) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path)
+    close_after.append(store.origins.fetcher)
+    held = record.entry(PAGES).chunks[-1].digest
+    server = HoldOne(blobs, held)
+    close_after.append(server)
+    store.origins.remember(record.id, server.origin())
+    others = [d for d in blobs if d != held]
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, store.root, record.id, *others], cwd=repo,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "fetched\n"
+        assert server.arrived.wait(30), "the held blob was never asked for"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+    after = Store(store.root, chunk_size=64 << 10)
+    assert os.listdir(after.ingest_dir)  # the imports it had open
+    report = after.recover()
+    assert report.ingest_removed and report.blobs_removed == () and os.listdir(after.ingest_dir) == []
+    # What it fetched is in the store, whole; the blob under way is still only at the origin, which is kept.
+    assert [c.digest for c in after.origins.missing(after.get(record.id))] == [held]
+    assert after.verify(record.id) == [] and after.origins.get(record.id) == server.origin()
+    # The next restore's fetches bring the rest.
+    server.released.set()
+    after.origins.fetcher = RemoteBlobs(after)
+    close_after.append(after.origins.fetcher)
+    ahead = Prefetch(after, after.get(record.id), 1, "pod ns/web")
+    ahead.start()
+    assert ahead.wait(60) and ahead.complete and ahead.fetched == 1
+    assert after.origins.settle(record.id) and after.verify(record.id) == []
 
 
 def test_a_fetch_of_a_blob_already_on_its_way_waits_for_it_and_the_registry_serves_it_once(
