@@ -9,6 +9,7 @@ says what happened.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,12 +23,18 @@ from typing import Any
 
 import pytest
 
+from node_agent.api.pod_restores import RESTORE_FROM
+from node_agent.oci import digest_hex
 from testbed.bed import (
-    NODE_AGENT, Bed, answers, ask, container_detail, criu_processes, freezer_state, pod_detail, pods_in,
-    remove_pod, wait_for,
+    NODE_AGENT, Bed, answers, ask, container_config, container_detail, criu_processes, freezer_state, make_pod,
+    pod_config, pod_detail, pods_in, reconfigured, remove_pod, wait_for,
 )
 from testbed.faults import Gate, blip, containerd_down, containerd_up, setting
+from testbed.kubelet import Kubelet
+from testbed.layout import BedLayout, write_hosts_toml
+from testbed.registry import Registry
 from tests.e2e.test_cross_node import _cli_with_password
+from tests.e2e.test_fanout import push_memhog
 from tests.e2e.test_lazy import _memhog_pod, _sum
 
 
@@ -705,3 +712,80 @@ def test_a_full_restore_of_a_lazily_pulled_checkpoint_brings_its_memory_from_the
         agent.cli("checkpoints", "rm", ckpt, check=False)
         remove_pod(agent, pod.id)
     _clean(agent, "e2e-fault-pulled-r")
+
+
+# ---- the store fills while a lazily pulled checkpoint restores --------------------------------------
+
+
+@contextlib.contextmanager
+def _small_store(bed: Bed, extra: str, mib: int) -> Iterator[None]:
+    """The bed's agent restarted with `extra` in its config and its store on a tmpfs of `mib` MiB of its own,
+    mounted over the store's directory (what was there comes back once it is unmounted)."""
+    with contextlib.ExitStack() as stack:
+        bed.stop_agent()
+        _tmpfs(Path(bed.store), mib)
+        stack.callback(subprocess.run, ["umount", bed.store], check=True)
+        bed.start_agent()  # at the old config; `reconfigured` restarts it with `extra`, and stops it after
+        stack.callback(bed.stop_agent)
+        stack.enter_context(reconfigured(bed, extra))
+        yield
+
+
+def test_a_pod_restored_while_its_store_fills_gets_its_memory_verified_and_the_store_keeps_none_of_it(
+        agent: Bed, node2: Bed, tmp_path: Path) -> None:
+    """A Pod restores a checkpoint from a registry on a node whose store (its own 256 MiB filesystem,
+    `min-free-bytes` 16 MiB, no fetching ahead) another writer fills to 8 MiB free between RunPodSandbox and
+    CreateContainer, where the kubelet pulls the image: the replica is the same process with the same memory,
+    every page comes in, verified, and the store keeps nothing that came after RunPodSandbox."""
+    ns, dst = "e2e-fault-fill", "e2e-fault-fill-r"
+    memhog = ["/usr/local/bin/memhog", "--mib", "64", "--seed", str(_seed(ns)), "--port", "8080",
+              "--interval-ms", "100", "--flip", "0"]
+    image = agent.info["images"]["memhog"]
+    src = make_pod(agent, ns, [container_config("mem", image, memhog)])
+    with Registry(tmp_path / "origin") as origin:
+        hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
+        try:
+            pushed = push_memhog(agent, src.id, origin, "faults/fill")
+            rules = (f"restore:\n  pod-registries: [{origin.host}/faults]\n  pod-sources:\n    {dst}: [{ns}]\n"
+                     f"min-free-bytes: {16 << 20}\nregistry:\n  prefetch: false\n")
+            blob = Path(node2.store) / "blobs" / "sha256"
+            origins = Path(node2.store) / "origins" / (digest_hex(pushed.ckpt) + ".json")
+            with _small_store(node2, rules, 256):
+                seen: dict[str, Any] = {}
+
+                def fill(sandbox: str) -> None:
+                    seen["kept"] = {d for d in pushed.digests if (blob / digest_hex(d)).exists()}
+                    st = os.statvfs(node2.store)
+                    fd = os.open(os.path.join(node2.store, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (8 << 20))
+                    finally:
+                        os.close(fd)
+
+                pcfg = pod_config(node2, dst, f"p-{secrets.token_hex(3)}")
+                pcfg["annotations"] = {RESTORE_FROM: pushed.ref}
+                pod = asyncio.run(Kubelet(node2.cri_endpoint).start_pod(
+                    pcfg, [container_config("mem", node2.info["images"]["memhog"], memhog)], sandboxed=fill))
+                try:
+                    assert pod.error is None, pod.error
+                    new_ip = pod_detail(node2, pod.sandbox_id).ip
+                    wait_for(lambda: answers(new_ip), what="the replica to answer")
+                    assert ask(new_ip).split("sum=")[1] == pushed.checksum, "not the checkpointed memory"
+                    plan = Path(node2.store) / "plans" / pod.containers["mem"]
+                    wait_for(lambda: (plan / "lazy.done").exists(), timeout=120, what="every page in")
+                    done = json.loads((plan / "lazy.done").read_text())
+                    assert done["pages"] == done["total"] > 0, done
+                    # Nothing came into the store after the fill; the memory is still only in the registry.
+                    assert {d for d in pushed.digests if (blob / digest_hex(d)).exists()} == seen["kept"]
+                    assert len(seen["kept"]) < len(pushed.digests) // 2, (len(seen["kept"]), len(pushed.digests))
+                    assert origins.exists(), "the checkpoint no longer counts as lazily pulled"
+                    log = Path(node2.agent_log).read_text(errors="replace")
+                    assert "are verified and handed to their readers, not kept" in log
+                    assert ask(new_ip).split("sum=")[1] == pushed.checksum  # it runs on
+                finally:
+                    remove_pod(node2, pod.sandbox_id)
+                    node2.cli("checkpoints", "rm", pushed.ckpt, check=False)
+                assert pods_in(node2, dst) == [] and _mounts_in_store(node2) == [] and not criu_processes()
+        finally:
+            hosts.unlink(missing_ok=True)
+            remove_pod(agent, src.id)

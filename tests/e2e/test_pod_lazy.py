@@ -14,21 +14,14 @@ calls in the kubelet's order. The registry's own log counts the bytes it served 
   the same process with the same memory, and the origin served each missing blob once;
 - with `lazy-restore: never`: RunPodSandbox fetches as little, and CreateContainer reads everything, so the
   checkpoint is whole in the store before StartContainer, the plan holds all the memory, and the same
-  process comes back;
-- on a store of its own small filesystem (a tmpfs mounted over the node's store) that another writer fills
-  to below `min-free-bytes` between the kubelet's calls: the replica is still the same process with the same
-  memory, every chunk handed to it verified, and the store keeps none of what came after RunPodSandbox
-  (the checkpoint stays lazily pulled, its origin recorded).
+  process comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import secrets
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -156,71 +149,4 @@ def test_the_pod_path_fetches_only_the_saved_configs_before_the_sandbox_and_stre
         hosts.unlink(missing_ok=True)
         if ckpt:
             node2.cli("checkpoints", "rm", ckpt, check=False)
-        remove_pod(agent, src.id)
-
-
-@contextlib.contextmanager
-def _small_store(bed: Bed, extra: str, mib: int) -> Iterator[None]:
-    """The bed's agent restarted with `extra` in its config and its store on a tmpfs of `mib` MiB of its own,
-    mounted over the store's directory (what was there comes back once it is unmounted)."""
-    with contextlib.ExitStack() as stack:
-        bed.stop_agent()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", bed.store], check=True)
-        stack.callback(subprocess.run, ["umount", bed.store], check=True)
-        bed.start_agent()  # at the old config; `reconfigured` restarts it with `extra`, and stops it after
-        stack.callback(bed.stop_agent)
-        stack.enter_context(reconfigured(bed, extra))
-        yield
-
-
-def test_a_pod_restored_while_its_store_fills_gets_its_memory_verified_and_the_store_keeps_none_of_it(
-    agent: Bed, node2: Bed, origin: Registry
-) -> None:
-    src = make_pod(agent, NS, [container_config("mem", agent.info["images"]["memhog"], MEMHOG)])
-    hosts = write_hosts_toml(BedLayout(node2.name).hosts_dir, origin.host, f'server = "http://{origin.host}"\n')
-    try:
-        pushed = push_memhog(agent, src.id, origin, "ckpts/plz-full")
-        rules = (f"restore:\n  pod-registries: [{origin.host}/ckpts]\n  pod-sources:\n    {DST}: [{NS}]\n"
-                 f"min-free-bytes: {16 << 20}\nregistry:\n  prefetch: false\n")
-        blob = Path(node2.store) / "blobs" / "sha256"
-        origins = Path(node2.store) / "origins" / (digest_hex(pushed.ckpt) + ".json")
-        with _small_store(node2, rules, 256):
-            seen: dict[str, Any] = {}
-
-            def fill(sandbox: str) -> None:
-                # Another writer on the node takes the store's filesystem down to 8 MiB free, half of
-                # min-free-bytes, while the kubelet pulls the image.
-                seen["kept"] = {d for d in pushed.digests if (blob / digest_hex(d)).exists()}
-                st = os.statvfs(node2.store)
-                fd = os.open(os.path.join(node2.store, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (8 << 20))
-                finally:
-                    os.close(fd)
-
-            pcfg = pod_config(node2, DST, f"p-{secrets.token_hex(3)}")
-            pcfg["annotations"] = {RESTORE_FROM: pushed.ref}
-            pod = asyncio.run(Kubelet(node2.cri_endpoint).start_pod(
-                pcfg, [container_config("mem", node2.info["images"]["memhog"], MEMHOG)], sandboxed=fill))
-            try:
-                assert pod.error is None, pod.error
-                new_ip = pod_detail(node2, pod.sandbox_id).ip
-                wait_for(lambda: answers(new_ip), what="the replica to answer")
-                assert ask(new_ip).split("sum=")[1] == pushed.checksum, "not the checkpointed memory"
-                plan = Path(node2.store) / "plans" / pod.containers["mem"]
-                wait_for(lambda: (plan / "lazy.done").exists(), timeout=120, what="every page in")
-                done = json.loads((plan / "lazy.done").read_text())
-                assert done["pages"] == done["total"] > 0, done
-                # Nothing came into the store after the fill; the memory is still only in the registry.
-                assert {d for d in pushed.digests if (blob / digest_hex(d)).exists()} == seen["kept"]
-                assert len(seen["kept"]) < len(pushed.digests) // 2, (len(seen["kept"]), len(pushed.digests))
-                assert origins.exists(), "the checkpoint no longer counts as lazily pulled"
-                assert "are verified and handed to their readers, not kept" in Path(node2.agent_log).read_text(
-                    errors="replace")
-                assert ask(new_ip).split("sum=")[1] == pushed.checksum  # it runs on
-            finally:
-                remove_pod(node2, pod.sandbox_id)
-                node2.cli("checkpoints", "rm", pushed.ckpt, check=False)
-    finally:
-        hosts.unlink(missing_ok=True)
         remove_pod(agent, src.id)
