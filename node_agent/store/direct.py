@@ -2,7 +2,9 @@
 
 A blob brought in from a registry is written once and not read back soon
 (a lazy restore already has its verified bytes; a restore after a full
-pull reads each blob once). A buffered write copies every byte into new
+pull reads each blob once; what is fetched ahead of a restore is read back
+by its page source, from the disk, within a second or two, where writing it
+through the page cache instead saved nothing measurable: docs/benchmarks.md). A buffered write copies every byte into new
 page-cache pages first, and takes as many pages from the free memory as
 the blob is long. Where the memory was given back to a virtual machine's
 host (free page reporting, as on the test machines), each such page also
