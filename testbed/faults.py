@@ -7,6 +7,8 @@
 - `containerd_down` / `containerd_up`: containerd SIGKILLed, as a crash ends it, and started again
   (`scripts/testbed restart --kill --down`, then `restart`).
 - `Blip`: a TCP proxy in front of the registry whose connections the test cuts and lets through again.
+- `killed_outright`: a Python child (the agent's own code in a process of its own) SIGKILLed, as a crash
+  ends it, once the test has seen what it waits for.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import json
 import os
 import select
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from testbed.bed import Bed, testbed, wait_for
+from testbed.bed import REPO, Bed, testbed, wait_for
 
 _GATE = r'''
 # A fault-injection gate: stops at `{command}` {which} until released.
@@ -252,3 +255,19 @@ def blip(target_host: str) -> Iterator[Blip]:
         yield b
     finally:
         b.close()
+
+
+@contextlib.contextmanager
+def killed_outright(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -c script args`` from the repository, its standard input and output pipes to the test, which
+    reads what it waits for from it; then SIGKILLed and reaped, however the test's part ends."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()

@@ -13,8 +13,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -30,6 +28,7 @@ from node_agent.lazy.restores import LazyRestores
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replicas
 from node_agent.store import CheckpointRecord, Store
+from testbed.faults import killed_outright
 from testbed.httpanswers import LoopbackServer, answer
 from testbed.layout import write_hosts_toml
 from test_lazy_failures import PAGES as PAGES_N, Pod, _pages, pod  # noqa: F401 - the restored pod's harness and its fixture
@@ -233,18 +232,9 @@ def test_an_agent_killed_while_it_fetches_ahead_leaves_what_it_fetched_and_the_r
     close_after.append(server)
     store.origins.remember(record.id, server.origin())
     others = [d for d in blobs if d != held]
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED, store.root, record.id, *others], cwd=repo,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
+    with killed_outright(_KILLED, store.root, record.id, *others) as proc:
         assert proc.stdout is not None and proc.stdout.readline() == "fetched\n"
         assert server.arrived.wait(30), "the held blob was never asked for"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
     after = Store(store.root, chunk_size=64 << 10)
     assert os.listdir(after.ingest_dir)  # the imports it had open
     report = after.recover()

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests/unit is not a package: make the repository's tests/ importable
     sys.path.insert(0, str(REPO))
 
+from testbed.faults import killed_outright  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
 
 MiB = 1 << 20
@@ -221,17 +222,9 @@ def test_a_pull_killed_outright_is_cleared_by_the_start_up_repair(
     root = tmp_path / "dest-store"
     Store(root)
     after = blobs[0][1] + blobs[1][1] + 1
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), registry.ref("ckpt/web:v1"), str(after),
-                             *(d for d, _ in blobs[:2])],
-                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
+    with killed_outright(_CHILD, str(root), registry.ref("ckpt/web:v1"), str(after),
+                         *(d for d, _ in blobs[:2])) as proc:
         assert proc.stdout is not None and proc.stdout.readline().startswith("stopped 2")
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
     dst = Store(root)
     assert len(os.listdir(dst.ingest_dir)) == 1 and _kept(dst)[0]["until"] == 0  # reserved, never kept
     report = dst.recover()
