@@ -74,6 +74,7 @@ class Prefetch:
         self.began = time.monotonic()
         self._threads = [threading.Thread(target=self._run, name=f"prefetch-{i}", daemon=True)
                          for i in range(max(1, lanes))]
+        self._lanes_left = len(self._threads)  # the last lane to end reports (a lane may end before the next starts)
 
     def start(self) -> None:
         for t in self._threads:
@@ -140,13 +141,10 @@ class Prefetch:
             log.warning("%s: fetching checkpoint %s ahead of its restore stopped: %s (the restore fetches what "
                         "it needs itself)", self.what, self.checkpoint_id, exc,
                         extra={"checkpoint": self.checkpoint_id, "phase": "prefetch"})
-        if threading.current_thread() is self._threads[0]:
-            self._report()
-
-    def _report(self) -> None:
-        for t in self._threads[1:]:
-            t.join()
         with self._lock:
+            self._lanes_left -= 1
+            if self._lanes_left:
+                return
             why = self._why or "every chunk is in"
         log.info("%s: fetched %d chunks (%.1f MiB) of checkpoint %s ahead of its restore in %.2fs; %s", self.what,
                  self.fetched, self.bytes / 2**20, self.checkpoint_id, time.monotonic() - self.began, why,

@@ -128,6 +128,27 @@ def test_it_fetches_every_missing_chunk_into_the_store_each_once(tmp_path: Path,
     assert store.verify(record.id) == []
 
 
+def test_it_reports_once_when_its_last_lane_ends_even_one_that_ends_before_the_next_starts(
+    tmp_path: Path, close_after: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    store, record, blobs = _lazily_pulled(tmp_path)
+    server = Blobs(blobs)
+    close_after += [store.origins.fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    caplog.set_level(logging.INFO, logger="node_agent.lazy.prefetch")
+    short = shutil.disk_usage(store.root).total + 1  # it stops at once: no room for any chunk
+    ahead = Prefetch(store, record, 2, "pod ns/web", min_free=short)
+    first, second = ahead._threads
+    first.start()
+    first.join(30)  # its first lane has ended before the second one starts
+    assert not first.is_alive()
+    assert not [r for r in caplog.records if "ahead of its restore in" in r.message]  # a lane is still to come
+    second.start()
+    assert ahead.wait(30)
+    reports = [r.message for r in caplog.records if "ahead of its restore in" in r.message]
+    assert len(reports) == 1 and "; the store's filesystem is short of space" in reports[0], reports
+
+
 def test_stopped_it_fetches_nothing_more_and_the_fetch_under_way_ends_first(
     tmp_path: Path, close_after: list[Any]
 ) -> None:
