@@ -233,6 +233,21 @@ def _extents(msg: img.Message, number: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((e.uint32(1) or 0, e.uint32(2) or 0, e.uint32(3) or 0) for e in msg.messages(number))
 
 
+def highest_pid(pstree: bytes) -> int:
+    """The highest PID a restore of these images takes in its PID namespace (`pstree.img`'s bytes).
+
+    Every task's PID and threads, and the process groups and sessions CRIU
+    recreates with them (pstree_entry: pid 1, pgid 3, sid 4, threads 5).
+    """
+    entries = img.read_messages(pstree, "pstree.img", PSTREE_MAGIC)
+    if len(entries) > MAX_TASKS:
+        raise LimitExceeded(f"pstree.img lists more than {MAX_TASKS} tasks")
+    top = 0
+    for e in entries:
+        top = max(top, e.uint32(1) or 0, e.uint32(3) or 0, e.uint32(4) or 0, *e.uint32s(5))
+    return top
+
+
 def read(directory: str) -> Images:
     """Everything in the images that decides what the restored processes may do."""
     pstree = img.read_image(directory, "pstree.img")

@@ -9,7 +9,9 @@ containers of the restore handler. For a container that has a restore plan
   the checkpoint's writable-layer diff to the new rootfs, holds what the
   CRIU images would grant the processes (credentials, capabilities,
   seccomp, namespaces, mounts) to the container's own config.json
-  (`criu_bridge.privileges`: a checkpoint grants nothing), then runs
+  (`criu_bridge.privileges`: a checkpoint grants nothing), moves the
+  next PID of a PID namespace it joins past every PID the pod's restore
+  takes back (`criu_bridge.pidns`), then runs
   ``runc restore --detach`` with the same global flags, bundle, pid file and
   stdio, so the restored process keeps writing into the new CRI log pipes;
   it then records what it did (`RESTORED`: the container, the checkpoint,
@@ -202,7 +204,7 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
     import json
     import subprocess
 
-    from criu_bridge import locks, logs, privileges, resumegate, taskimages
+    from criu_bridge import locks, logs, pidns, privileges, resumegate, taskimages
     from criu_bridge.errors import BridgeError
     from criu_bridge.rootfs.apply import apply_diff
 
@@ -255,6 +257,15 @@ def restore(runc: str, call: Call, plan_dir: str) -> int:
                f"config does not: {'; '.join(granted)}; refusing to restore it")
         _fail(call, plan_dir, msg)
         return 1
+    # Joining the pod's PID namespace: what runs in it from now on gets PIDs above every one the
+    # checkpoint's containers take back (criu_bridge.pidns).
+    shared, floor = pidns.joined(spec), plan.get("pid_floor")
+    if shared and isinstance(floor, int) and not isinstance(floor, bool) and floor > 0:
+        try:
+            pidns.advance(shared, floor)
+        except OSError as exc:
+            _fail(call, plan_dir, f"restore of {where}, phase pid-namespace: {shared}: {exc}")
+            return 1
 
     work = os.path.join(plan_dir, "work")
     os.makedirs(work, exist_ok=True)

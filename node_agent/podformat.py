@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from criu_bridge import taskimages
+from criu_bridge.errors import BridgeError
 from criu_bridge.runtime import CHECKPOINT_OPTIONS, RECORDED_OPTIONS, CheckpointFlags
 from node_agent import errors, hostaccess, strictjson
 from node_agent.config.schema import Settings
@@ -185,16 +187,38 @@ def check_name(what: str, value: str, rx: re.Pattern[str] = NAME_RE) -> str:
     return value
 
 
-def _read_json(store: Store, record: CheckpointRecord, path: str, limit: int = 16 << 20) -> Any:
-    cid = record.id
+def _read_bytes(store: Store, record: CheckpointRecord, path: str, limit: int = 16 << 20) -> bytes:
     with store.open(record, path) as fh:
         if fh.size > limit:
-            raise errors.DataLoss(f"checkpoint {cid}: {path} is larger than {limit} bytes")
-        data = fh.read(fh.size)
+            raise errors.DataLoss(f"checkpoint {record.id}: {path} is larger than {limit} bytes")
+        return fh.read(fh.size)
+
+
+def _read_json(store: Store, record: CheckpointRecord, path: str, limit: int = 16 << 20) -> Any:
+    data = _read_bytes(store, record, path, limit)
     try:
         return strictjson.loads(data)
     except strictjson.StrictJsonError as exc:
-        raise errors.DataLoss(f"checkpoint {cid}: {path} {exc}") from exc
+        raise errors.DataLoss(f"checkpoint {record.id}: {path} {exc}") from exc
+
+
+def highest_pid(store: Store, record: CheckpointRecord, saved: SavedPod) -> int:
+    """The highest PID any of the checkpoint's containers takes back when restored (their ``pstree.img``).
+
+    Where the pod's containers share one PID namespace, each restore first
+    moves that namespace's next PID past it (`criu_bridge.pidns`), so what
+    a container restored earlier forks cannot take a PID a later one needs.
+    """
+    top = 0
+    for cname, _cfg, _spec in saved.containers:
+        path = image_path(cname, "pstree.img")
+        try:
+            top = max(top, taskimages.highest_pid(_read_bytes(store, record, path)))
+        except errors.NotFound as exc:
+            raise errors.DataLoss(f"checkpoint {record.id}: container {cname} has no {path}") from exc
+        except BridgeError as exc:
+            raise errors.DataLoss(f"checkpoint {record.id}: {path}: {exc}") from exc
+    return top
 
 
 def _schema(checkpoint_id: str, path: str, config: Mapping[str, Any], kind: str) -> dict[str, Any]:

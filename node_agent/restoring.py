@@ -300,7 +300,7 @@ class Restorer:
     def write_plan(
         self, record: CheckpointRecord, staging: str, cname: str, plan_dir: str, where: str, options: tuple[str, ...],
         lazy: bool = False, *, nonce: str, mounts: Any = None, sandbox: str = "", logs: tuple[str, str] = ("", ""),
-        filled: bool = False,
+        filled: bool = False, pid_floor: int = 0,
     ) -> None:
         """Move a container's verified files from staging into its plan dir (renames only).
 
@@ -310,6 +310,9 @@ class Restorer:
         here, by name, instead of leaving CRIU waiting for it. The container
         is recorded as a replica of its `sandbox` (`replicas`), with its CRI
         log (`logs`: the sandbox's log directory, the container's log path).
+        `pid_floor` is the highest PID any container of the checkpoint takes
+        back (`podformat.highest_pid`): the wrapper moves a PID namespace the
+        container joins past it before CRIU runs.
         """
         os.makedirs(plan_dir, mode=0o700)
         src = os.path.join(staging, podformat.container_dir(cname))
@@ -334,7 +337,7 @@ class Restorer:
         plan = {"version": 1, "checkpoint": record.id, "pod": where, "container": cname, "options": list(options),
                 "lazy": lazy, "filled": lazy and filled, "nonce": nonce,
                 # The pages files are not here: the wrapper asks the page source to write them, before CRIU runs.
-                "memory_at_start": lazy}
+                "memory_at_start": lazy, "pid_floor": pid_floor}
         path = os.path.join(plan_dir, PLAN_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(plan, fh)
@@ -495,6 +498,7 @@ class RestoreRun:
     async def create_containers(self) -> None:
         """Each container in CREATED with its plan's mark, its plan written (journalled first), its lazy helpers."""
         req, svc, record, saved, entry = self.req, self.service, self.record, self.saved, self.entry
+        pid_floor = await asyncio.to_thread(podformat.highest_pid, req.source or svc.store, record, saved)
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
             self.phase = f"create {cname}"
             if req.container_configs is not None:
@@ -509,7 +513,7 @@ class RestoreRun:
             await asyncio.to_thread(svc.write_plan, record, self.staging, cname, plan_dir, self.where, saved.options,
                                     self.paged, nonce=nonce, mounts=ccfg.get("mounts"), sandbox=self.pod_id,
                                     logs=(str(self.pod_config.get("log_directory") or ""),
-                                          str(ccfg.get("log_path") or "")), filled=self.filled)
+                                          str(ccfg.get("log_path") or "")), filled=self.filled, pid_floor=pid_floor)
             if self.paged:
                 await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
                                      callers=req.source is not None, exists=container_exists(svc.cri, cid),

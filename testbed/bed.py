@@ -320,17 +320,22 @@ def make_pod(bed: Bed, namespace: str, containers: list[dict[str, Any]], name: s
     return bed.cri(go)
 
 
-def counter_pod(bed: Bed, namespace: str, *, mib: int = 16, name: str | None = None, flip: bool = True,
-                seed: int = 1) -> PodHandle:
+def counter_containers(bed: Bed, *, mib: int = 16, flip: bool = True, seed: int = 1) -> list[dict[str, Any]]:
+    """A counting shell, then a memhog server: the two containers of `counter_pod`, in the pod's PID namespace."""
     imgs = bed.info["images"]
-    return make_pod(bed, namespace, [
+    return [
         container_config("shell", imgs["busybox"], ["sh", "-c", SHELL_COUNTER.format(name="shell")]),
         container_config("server", imgs["memhog"], [
             "/usr/local/bin/memhog", "--mib", str(mib), "--port", "8080", "--file", "/data/memhog.log",
             "--shm", "/dev/shm/server.count", "--interval-ms", "100", "--flip", "1" if flip else "0",
             "--seed", str(seed),
         ]),
-    ], name=name)
+    ]
+
+
+def counter_pod(bed: Bed, namespace: str, *, mib: int = 16, name: str | None = None, flip: bool = True,
+                seed: int = 1) -> PodHandle:
+    return make_pod(bed, namespace, counter_containers(bed, mib=mib, flip=flip, seed=seed), name=name)
 
 
 def remove_pod(bed: Bed, pod_id: str) -> None:

@@ -58,13 +58,16 @@ class Kubelet:
 
     async def start_pod(self, pod_config: Mapping[str, Any], containers: list[Mapping[str, Any]],
                         runtime_handler: str = "", *, sandboxed: Callable[[str], None] | None = None,
+                        started_one: Callable[[str, str], None] | None = None,
                         client: CriClient | None = None) -> StartedPod:
         """RunPodSandbox, then each container: ImageStatus, PullImage if absent, CreateContainer, StartContainer.
 
         A failed RunPodSandbox raises the agent's error for its status (``node_agent.errors``); a later
         call that fails ends the start with ``error`` set, and what was made before it stays, as the
         kubelet leaves it for its next sync. ``sandboxed``, when given, is called with the sandbox's ID
-        once RunPodSandbox has returned, before anything else is asked (to look at the node between).
+        once RunPodSandbox has returned, before anything else is asked (to look at the node between);
+        ``started_one`` with each container's name and ID once its StartContainer has returned, before the
+        next container's calls (to act on the node between, as the pod's own first container could).
         ``client``, when given, is a connection to the endpoint opened beforehand (left open), as the
         kubelet's stays open across pods.
         """
@@ -79,7 +82,7 @@ class Kubelet:
             if sandboxed is not None:
                 sandboxed(started.sandbox_id)
             try:
-                await self._containers(cri, started, pod_config, containers)
+                await self._containers(cri, started, pod_config, containers, started_one)
             except AgentError as exc:
                 started.error = exc
             return started
@@ -88,7 +91,8 @@ class Kubelet:
                 await cri.close()
 
     async def _containers(self, client: CriClient, started: StartedPod, pod_config: Mapping[str, Any],
-                          containers: list[Mapping[str, Any]]) -> None:
+                          containers: list[Mapping[str, Any]],
+                          started_one: Callable[[str, str], None] | None) -> None:
         async def call(name: str, step: Awaitable[T]) -> T:
             started.calls.append(name)
             m0 = time.monotonic()
@@ -108,3 +112,5 @@ class Kubelet:
             cid = await call("CreateContainer", client.create_container(started.sandbox_id, c, pod_config))
             started.containers[str(c["metadata"]["name"])] = cid
             await call("StartContainer", client.start_container(cid, timeout=self.timeout))
+            if started_one is not None:
+                started_one(str(c["metadata"]["name"]), cid)

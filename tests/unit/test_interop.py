@@ -18,11 +18,13 @@ import zstandard
 from google.protobuf.internal.encoder import _VarintBytes
 
 from criu_bridge import criuimg as img
+from criu_bridge import taskimages
 from node_agent import errors, interop
 from node_agent.podformat import METADATA_KIND
 from node_agent.interop import imagefacts
 from node_agent.interop.common import ImportLimits, dns_label
 from node_agent.store import CheckpointRecord, Store
+from tests.unit.criu_images import image, v
 
 MiB = 1 << 20
 
@@ -79,6 +81,8 @@ def container_files(name: str) -> dict[str, bytes]:
     }
     return {
         f"containers/{name}/checkpoint/inventory.img": os.urandom(86),
+        # One task, PID 7, its own process group and session.
+        f"containers/{name}/checkpoint/pstree.img": image(taskimages.PSTREE_MAGIC, v(1, 7) + v(3, 7) + v(4, 7)),
         f"containers/{name}/checkpoint/pages-1.img": os.urandom(3 * MiB + 123),
         f"containers/{name}/checkpoint/files.img": files_img([_reg(b"/", 0o40555, 1)]),
         f"containers/{name}/checkpoint/stats-dump": os.urandom(48),
