@@ -374,9 +374,16 @@ class CheckpointRun:
         done = 0
         ok = False
         t_freeze = time.monotonic()
+        freezing: asyncio.Future[list[BaseException | None]] | None = None
         try:
             self.progress(Progress("freeze", 0, total, message=f"freezing {total} container(s)"))
-            await asyncio.gather(*(asyncio.to_thread(freezer.freeze, t.freezer) for t in targets))
+            # Each freeze runs in a thread, which a cancelled call cannot stop: the thaw waits for all of
+            # them (a freeze still under way would freeze its container again after the thaw).
+            freezing = asyncio.ensure_future(asyncio.gather(
+                *(asyncio.to_thread(freezer.freeze, t.freezer) for t in targets), return_exceptions=True))
+            for result in await asyncio.shield(freezing):
+                if result is not None:
+                    raise result
             self.phase = "dump"
             self.progress(Progress("dump", 0, total))
             log.debug("pod %s: %d container(s) frozen, dumping", pod.ref, total, extra={"pod": pod.ref, "phase": "dump"})
@@ -437,7 +444,7 @@ class CheckpointRun:
             ok = True
         finally:
             # Thaw first, whatever happened; then wait out helpers on failure.
-            thaw = asyncio.ensure_future(self.thaw(guard, ok))
+            thaw = asyncio.ensure_future(self.thaw(guard, ok, freezing))
             self.thawing.append(thaw)
             await asyncio.shield(thaw)
         self.frozen_ms = (time.monotonic() - t_freeze) * 1000
@@ -461,8 +468,11 @@ class CheckpointRun:
 
         await _gather_all([one(t) for t in self.targets])
 
-    async def thaw(self, guard: wd.Armed, ok: bool) -> None:
-        """Thaw every target; after a failure, once more when runc and CRIU are gone (the watchdog meanwhile)."""
+    async def thaw(self, guard: wd.Armed, ok: bool, freezing: asyncio.Future[Any] | None = None) -> None:
+        """Thaw every target, once every freeze under way (`freezing`) has ended; after a failure, once more
+        when runc and CRIU are gone (the watchdog meanwhile)."""
+        if freezing is not None:
+            await asyncio.wait([freezing])
         def thaw(t: _Target) -> None:
             try:
                 freezer.thaw(t.freezer)
