@@ -127,8 +127,8 @@ class Prefetch:
             while fetch is not None and (chunk := self._next()) is not None:
                 if self.store.blobs.size_of(chunk.digest) is not None:
                     continue  # a reader fetched it already
-                free = self.store.free_bytes()
-                if free - chunk.stored_size < self.min_free:
+                free = self.store.short_of_room(chunk.stored_size, self.min_free)
+                if free is not None:
                     self.stop(f"the store's filesystem is short of space ({free} bytes free, min-free-bytes "
                               f"{self.min_free})")
                     break

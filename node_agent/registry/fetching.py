@@ -126,7 +126,7 @@ class RemoteBlobs:
 
     def may_keep(self, size: int) -> bool:
         """Whether a blob of ``size`` bytes leaves ``min_free`` bytes free on the store's filesystem."""
-        return self.store.free_bytes() - size >= self.min_free
+        return self.store.short_of_room(size, self.min_free) is None
 
     def remember_password(self, reference: str, password: str) -> None:
         """Keep ``password`` in memory for the chunks later fetched from ``reference``'s repository."""

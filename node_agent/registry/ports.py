@@ -96,6 +96,9 @@ class BlobSink(Protocol[R_co]):
     def free_bytes(self) -> int:
         """Bytes still free for the store on its filesystem."""
 
+    def short_of_room(self, size: int, min_free: int) -> int | None:
+        """The bytes free when ``size`` more would leave less than ``min_free``; None when they fit."""
+
     def attach(self, subject_id: str, manifest: bytes, blobs: Mapping[str, bytes]) -> str:
         """Keep a referrer (a signature) of a published checkpoint, with its blobs."""
 

@@ -466,6 +466,12 @@ class Store:
             raise os_error(exc, f"measuring the free space of store {self.root!r}") from exc
         return st.f_bavail * st.f_frsize
 
+    def short_of_room(self, size: int, min_free: int) -> int | None:
+        """The bytes free on the store's filesystem when ``size`` more would leave less than ``min_free`` there;
+        None when they fit (the one rule for what a fetch may keep: docs/registry.md, "Bounds")."""
+        free = self.free_bytes()
+        return free if free - size < min_free else None
+
     def usage(self) -> int:
         """Bytes used by blobs (chunks, configs and manifests)."""
         try:
