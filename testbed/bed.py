@@ -269,6 +269,18 @@ def volume_dir(bed: Bed, uid: str, name: str) -> str:
     return path
 
 
+# The namespaces the kubelet gives a Pod's sandbox and each of its containers (kuberuntime's namespacesForPod):
+# the pod's network and IPC, and a PID namespace of each container's own (POD for every one of them where the
+# Pod sets shareProcessNamespace: `shared_pids`).
+KUBELET_NAMESPACES: dict[str, int] = {"network": 0, "pid": 1, "ipc": 0}
+
+
+def shared_pids(pod: dict[str, Any], containers: list[dict[str, Any]]) -> None:
+    """A Pod with shareProcessNamespace: its sandbox and containers in one PID namespace, as the kubelet asks."""
+    for cfg in (pod, *containers):
+        cfg["linux"]["security_context"]["namespace_options"]["pid"] = 0
+
+
 def pod_config(bed: Bed, namespace: str, name: str, uid: str | None = None) -> dict[str, Any]:
     uid = uid or str(uuid.uuid4())
     log_dir = os.path.join(bed.info["pod_log_root"], f"{namespace}_{name}_{uid}")
@@ -280,7 +292,7 @@ def pod_config(bed: Bed, namespace: str, name: str, uid: str | None = None) -> d
         "labels": {"app": "e2e"},
         "linux": {
             "cgroup_parent": bed.info["cgroup_parent"],
-            "security_context": {"namespace_options": {"network": 0, "pid": 1, "ipc": 0}},
+            "security_context": {"namespace_options": dict(KUBELET_NAMESPACES)},
         },
     }
 
@@ -292,7 +304,7 @@ def container_config(name: str, image: str, command: list[str], *, devices: list
         "image": {"image": image},
         "command": command,
         "log_path": f"{name}/0.log",
-        "linux": {},
+        "linux": {"security_context": {"namespace_options": dict(KUBELET_NAMESPACES)}},
     }
     if devices:
         cfg["devices"] = devices
@@ -321,7 +333,7 @@ def make_pod(bed: Bed, namespace: str, containers: list[dict[str, Any]], name: s
 
 
 def counter_containers(bed: Bed, *, mib: int = 16, flip: bool = True, seed: int = 1) -> list[dict[str, Any]]:
-    """A counting shell, then a memhog server: the two containers of `counter_pod`, in the pod's PID namespace."""
+    """A counting shell, then a memhog server: the two containers of `counter_pod`."""
     imgs = bed.info["images"]
     return [
         container_config("shell", imgs["busybox"], ["sh", "-c", SHELL_COUNTER.format(name="shell")]),

@@ -1,4 +1,4 @@
-"""A pod whose containers share one PID namespace, restored through a Pod while its first container forks.
+"""A Pod with shareProcessNamespace (its containers in one PID namespace), restored while its first container forks.
 
 The kubelet starts a pod's containers one after another, and a restored container runs as soon as its
 StartContainer returns. Here the first container, once running, fills the namespace's free PIDs up to the
@@ -22,7 +22,7 @@ from node_agent.store import Store
 from node_agent.cri import CriClient
 from testbed.bed import (
     SHELL_COUNTER, Bed, PodHandle, answers, ask, container_detail, counter_containers, pod_config, pod_detail,
-    remove_pod, ticks, wait_for,
+    remove_pod, shared_pids, ticks, wait_for,
 )
 from testbed.kubelet import Kubelet
 from tests.e2e.test_cri_endpoint import RESTORE_FROM
@@ -46,6 +46,7 @@ def _source_pod(agent: Bed, namespace: str) -> PodHandle:
     shell, server = counter_containers(agent, flip=False)
     shell["command"] = ["sh", "-c", BURST + SHELL_COUNTER.format(name="shell")]
     pcfg = pod_config(agent, namespace, f"p-{secrets.token_hex(3)}")
+    shared_pids(pcfg, [shell, server])
     for c in (shell, server):
         os.makedirs(os.path.join(pcfg["log_directory"], c["metadata"]["name"]), exist_ok=True)
 
@@ -98,6 +99,7 @@ def test_a_shared_pid_namespace_pod_restores_whole_while_its_first_container_for
         pcfg["annotations"] = {RESTORE_FROM: ckpt}
         containers = counter_containers(agent, flip=False)
         containers[0]["command"] = ["sh", "-c", BURST + SHELL_COUNTER.format(name="shell")]
+        shared_pids(pcfg, containers)
         pod = asyncio.run(Kubelet(agent.cri_endpoint).start_pod(pcfg, containers, started_one=fill_pids))
         new_id = pod.sandbox_id
         assert pod.error is None, f"{pod.calls}: {pod.error}"
