@@ -473,6 +473,7 @@ class CheckpointRun:
         when runc and CRIU are gone (the watchdog meanwhile)."""
         if freezing is not None:
             await asyncio.wait([freezing])
+
         def thaw(t: _Target) -> None:
             try:
                 freezer.thaw(t.freezer)

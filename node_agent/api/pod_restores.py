@@ -89,6 +89,8 @@ class _PodRestore:
     # Restored by PodCheckpoint name: the checkpoint's containers, and the Pod may have no other (KEP-5823).
     only: tuple[str, ...] = ()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The highest PID of the checkpoint's containers (`podformat.highest_pid`), once the first one read it.
+    pid_floor: int | None = None
 
     @property
     def op(self) -> str:
@@ -352,7 +354,8 @@ class PodRestores:
             # The kubelet pulled the container's image just now: it must be the checkpoint's own.
             saved = await asyncio.to_thread(load_saved, self.store, record)
             await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
-            pid_floor = await asyncio.to_thread(highest_pid, self.store, record, saved)
+            if st.pid_floor is None:
+                st.pid_floor = await asyncio.to_thread(highest_pid, self.store, record, saved)
             os.makedirs(staging, mode=0o700)
             # Cut off (the kubelet's deadline), the reading ends before its staging is removed.
             memory = await thread_to_the_end(restorer.unpack, record, staging, lazy=st.lazy, containers=(name,),
@@ -375,7 +378,7 @@ class PodRestores:
             await asyncio.to_thread(
                 restorer.write_plan, record, staging, name, plan_dir, st.pod, st.options, st.lazy,
                 nonce=nonce, mounts=to_json(req.config).get("mounts"), sandbox=st.sandbox_id,
-                logs=(req.sandbox_config.log_directory, req.config.log_path), pid_floor=pid_floor,
+                logs=(req.sandbox_config.log_directory, req.config.log_path), pid_floor=st.pid_floor,
             )
             if st.lazy:
                 await restorer.lazy.start(st.op, self.store, record, st.pod, name, cid, plan_dir, callers=False,
