@@ -6,12 +6,15 @@ pulls each image, creates the containers and starts them, and the link to
 the registry stands idle. `Prefetch` puts that time to use. Once the sandbox
 is made, it fetches the chunks the pull left in the registry into the store,
 in the order the restore reads them: every container's files first (which
-CreateContainer reads), then the memory images, file by file, as the page
-source streams them. It uses the store's own fetcher (`Origins.fetch_for`),
-so each blob is verified against its digest and made durable as a pull's
-are, on as many connections at once as the registry's pull uses
-(``registry.connections``); a reader in this process that needs a chunk
-already on its way waits for that fetch (`registry.fetching.RemoteBlobs`).
+CreateContainer reads), then the chunks of the memory images that hold what
+CRIU places itself (CreateContainer reads those too, scattered over the
+images: a chunk each, one after another, `staging.read_memory`), then the
+rest of the memory images, file by file, as the page source streams them.
+It uses the store's own fetcher (`Origins.fetch_for`), so each blob is
+verified against its digest and made durable as a pull's are, on as many
+connections at once as the registry's pull uses (``registry.connections``);
+a reader in this process that needs a chunk already on its way waits for
+that fetch (`registry.fetching.RemoteBlobs`).
 
 It stops when the page source takes over (the restore connected: the source
 fetches what it lacks, in the order the process needs it), when every chunk
@@ -30,8 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+from node_agent.lazy.staging import placed_chunks
 from node_agent.podformat import PAGES_PATH
 from node_agent.store import CheckpointRecord, Store
 from node_agent.store.documents import Chunk
@@ -39,20 +43,23 @@ from node_agent.store.documents import Chunk
 log = logging.getLogger(__name__)
 
 
-def order(store: Store, record: CheckpointRecord) -> list[Chunk]:
-    """The chunks of ``record`` not in ``store``, each once: those of every file but the memory images first,
-    then the memory images', each file from its start."""
+def order(store: Store, record: CheckpointRecord) -> Iterator[Chunk]:
+    """The chunks of ``record`` not in ``store``, each once, in the order the restore reads them: every
+    file's but the memory images' (CreateContainer's), then those of the memory CRIU places itself (read by
+    CreateContainer too, `staging.read_memory`, wherever they lie in the memory images; their pagemaps
+    come in the first part), then the rest of the memory images, each file from its start."""
     missing = {c.digest for c in store.origins.missing(record)}
-    out: list[Chunk] = []
-    for memory in (False, True):
-        for entry in record.files:
-            if (PAGES_PATH.match(entry.path) is not None) != memory:
-                continue
-            for chunk in entry.chunks:
-                if chunk.digest in missing:
-                    missing.discard(chunk.digest)
-                    out.append(chunk)
-    return out
+
+    def fresh(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        for chunk in chunks:
+            if chunk.digest in missing:
+                missing.discard(chunk.digest)
+                yield chunk
+
+    memory = [e for e in record.files if PAGES_PATH.match(e.path) is not None]
+    yield from fresh(c for e in record.files if PAGES_PATH.match(e.path) is None for c in e.chunks)
+    yield from fresh(placed_chunks(store, record))
+    yield from fresh(c for e in memory for c in e.chunks)
 
 
 class Prefetch:
@@ -67,6 +74,7 @@ class Prefetch:
         self._record = record
         self._todo: Iterator[Chunk] | None = None  # `order`, worked out by the first thread
         self._lock = threading.Lock()
+        self._taking = threading.Lock()  # one lane at a time takes the next chunk
         self._stop = threading.Event()
         self._why = ""
         self.fetched = 0
@@ -111,14 +119,16 @@ class Prefetch:
         return not self.running and not self._why
 
     def _next(self) -> Chunk | None:
-        with self._lock:
+        # Working out the order may read a pagemap, waiting for its fetch: not under `_lock`, which `stop` takes.
+        with self._taking:
             if self._stop.is_set():
                 return None
             if self._todo is None:
-                self._todo = iter(order(self.store, self._record))
+                self._todo = order(self.store, self._record)
             chunk = next(self._todo, None)
             if chunk is None:
-                self._stop.set()
+                with self._lock:
+                    self._stop.set()
             return chunk
 
     def _run(self) -> None:

@@ -15,13 +15,15 @@ the agent's memory and in the store, sealed where the checkpoint is.
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from node_agent import podformat
 from node_agent.lazy import pagemap
 from node_agent.store import CheckpointRecord, Store
+from node_agent.store.documents import Chunk, FileEntry
 from node_agent.store.reading import FileReader
 
 # What is read of a pages file at once.
@@ -70,6 +72,22 @@ def read_memory(store: Store, record: CheckpointRecord, containers: Collection[s
     itself read ahead and verified, ``budget`` bytes in all at most."""
     out: dict[str, Memory] = {}
     left = budget
+    for container, pm, entry in pagemaps(store, record, containers):
+        pages = PagesFile(entry.path, pm, entry.size, entry.mode)
+        with store.open(record, entry.path) as reader:
+            for offset, length in placed(pm):
+                if length > left:
+                    break
+                pages.held[offset] = _read(reader, entry.path, offset, length)
+                left -= length
+        out.setdefault(container, Memory(store, record)).files.append(pages)
+    return out
+
+
+def pagemaps(store: Store, record: CheckpointRecord,
+             containers: Collection[str] | None = None) -> Iterator[tuple[str, pagemap.Pagemap, FileEntry]]:
+    """Each task's pagemap of ``containers`` (all when None), read from ``store`` and checked against its
+    pages file: (the container, the pagemap, the pages file's entry in the checkpoint)."""
     for f in record.files:
         m = podformat.PAGEMAP_PATH.match(f.path)
         if not m or f.is_dir or (containers is not None and m.group(1) not in containers):
@@ -82,15 +100,22 @@ def read_memory(store: Store, record: CheckpointRecord, containers: Collection[s
         entry = record.entry(path)
         if entry.size != pm.pages_size:
             raise pagemap.PagemapError(f"{path} holds {entry.size} bytes, its pagemap accounts for {pm.pages_size}")
-        pages = PagesFile(path, pm, entry.size, entry.mode)
-        with store.open(record, path) as reader:
-            for offset, length in placed(pm):
-                if length > left:
-                    break
-                pages.held[offset] = _read(reader, path, offset, length)
-                left -= length
-        out.setdefault(m.group(1), Memory(store, record)).files.append(pages)
-    return out
+        yield m.group(1), pm, entry
+
+
+def placed_chunks(store: Store, record: CheckpointRecord) -> Iterator[Chunk]:
+    """The chunks of the pages files that hold what CRIU places itself (`placed`), which CreateContainer
+    reads (`read_memory`): each pages file's in its order, a chunk once per file."""
+    for _container, pm, entry in pagemaps(store, record):
+        starts = [c.offset for c in entry.chunks]
+        seen: set[int] = set()
+        for offset, length in placed(pm):
+            i = max(0, bisect.bisect_right(starts, offset) - 1)
+            while i < len(entry.chunks) and entry.chunks[i].offset < offset + length:
+                if i not in seen:
+                    seen.add(i)
+                    yield entry.chunks[i]
+                i += 1
 
 
 def placed(pm: pagemap.Pagemap) -> list[tuple[int, int]]:

@@ -23,7 +23,10 @@ from typing import Any
 import pytest
 
 from node_agent.config.loading import from_mapping
+from node_agent.lazy.chunks import PAGE_SIZE
+from node_agent.lazy.pagemap import PE_LAZY, PE_PRESENT
 from node_agent.lazy.prefetch import Prefetch, order
+from node_agent.lazy.staging import read_memory
 from node_agent.lazy.restores import LazyRestores
 from node_agent.registry.fetching import RemoteBlobs
 from node_agent.replicas import Replicas
@@ -31,11 +34,13 @@ from node_agent.store import CheckpointRecord, Store
 from testbed.faults import killed_outright
 from testbed.httpanswers import LoopbackServer, answer
 from testbed.layout import write_hosts_toml
+from test_lazy import pagemap_image
 from test_lazy_failures import PAGES as PAGES_N, Pod, _pages, pod  # noqa: F401 - the restored pod's harness and its fixture
 
 PAGES = "containers/app/checkpoint/pages-1.img"
 STATE = "containers/app/checkpoint/core-1.img"
 CONFIG = "containers/app/config.dump"
+LAZY = PE_LAZY | PE_PRESENT
 
 
 class Blobs:
@@ -398,3 +403,51 @@ def test_fetches_follow_the_nodes_hosts_when_a_mirror_is_replaced(
     mirror(second)
     assert fetcher(origin.origin(), b) == blobs[b.digest]
     assert first.requests == [a.digest] and second.requests == [b.digest] and origin.requests == []
+
+
+PAGEMAP = "containers/app/checkpoint/pagemap-1.img"
+# 128 pages, CRIU places pages 40-41 and 62-65 itself; the rest is lazy.
+EXTENTS = [(0x10000000, 40, LAZY), (0x20000000, 2, PE_PRESENT), (0x30000000, 20, LAZY), (0x40000000, 4, PE_PRESENT),
+           (0x50000000, 62, LAZY)]
+
+
+def _with_pagemap(tmp_path: Path) -> tuple[Store, CheckpointRecord, dict[str, bytes]]:
+    store = Store(tmp_path / "store", chunk_size=64 << 10)
+    with store.writer() as w:
+        w.add_bytes(PAGES, random.Random(5).randbytes(128 * PAGE_SIZE))
+        w.add_bytes(PAGEMAP, pagemap_image(1, EXTENTS))
+        w.add_bytes(STATE, random.Random(6).randbytes(192 << 10))
+        record = w.commit({"kind": "test"})
+    blobs = {c.digest: Path(store.blob_path(c.digest)).read_bytes() for e in record.files for c in e.chunks}
+    for digest in blobs:
+        Path(store.blob_path(digest)).unlink()
+    store.origins.fetcher = RemoteBlobs(store, settings=from_mapping({"registry": {"connections": 1}}).registry)
+    store.origins.fetch_lanes = 1
+    return store, record, blobs
+
+
+def test_the_memory_criu_places_itself_comes_right_after_the_files_before_the_rest_of_the_memory(
+    tmp_path: Path, close_after: list[Any]
+) -> None:
+    store, record, blobs = _with_pagemap(tmp_path)
+    server = Blobs(blobs)
+    close_after += [store.origins.fetcher, server]
+    store.origins.remember(record.id, server.origin())
+    memory = [c.digest for c in record.entry(PAGES).chunks]
+    files = [c.digest for p in (PAGEMAP, STATE) for c in record.entry(p).chunks]
+    # One lane: the registry sees the fetches in the order they are made.
+    ahead = Prefetch(store, record, 1, "pod ns/web")
+    ahead.start()
+    assert ahead.wait(60) and ahead.complete
+    got = server.requests
+    assert sorted(got[:len(files)]) == sorted(files)
+    runs = [(40 * PAGE_SIZE, 42 * PAGE_SIZE), (62 * PAGE_SIZE, 66 * PAGE_SIZE)]
+    placed = [c.digest for c in record.entry(PAGES).chunks
+              if any(c.offset < end and start < c.offset + c.size for start, end in runs)]
+    assert placed and memory[0] not in placed  # the chunker's cuts: the order differs from the file's
+    assert got[len(files):] == placed + [d for d in memory if d not in placed]
+    assert sorted(got) == sorted(blobs)  # each crossed the network once, the pagemap too
+    # The pages CRIU places itself are read from the store as CreateContainer reads them.
+    store.origins.fetcher.drain()  # type: ignore[union-attr]
+    held = read_memory(store, record)["app"].files[0].held
+    assert sorted(held) == [40 * PAGE_SIZE, 62 * PAGE_SIZE] and len(held[62 * PAGE_SIZE]) == 4 * PAGE_SIZE
