@@ -202,12 +202,23 @@ def _read_json(store: Store, record: CheckpointRecord, path: str, limit: int = 1
         raise errors.DataLoss(f"checkpoint {record.id}: {path} {exc}") from exc
 
 
+def shares_pids(config: Mapping[str, Any]) -> bool:
+    """Whether a container of this CRI container config (JSON form) joins a PID namespace it shares with
+    others: the pod's (``pid`` POD, also when no namespace options are given, as the runtime takes them) or
+    a target container's (TARGET). Its own (CONTAINER) and the node's (NODE) are not shared with the pod."""
+    opts: Any = config
+    for key in ("linux", "security_context", "namespace_options"):
+        opts = opts.get(key) if isinstance(opts, Mapping) else None
+    return (opts.get("pid", 0) if isinstance(opts, Mapping) else 0) in (0, "POD", 3, "TARGET")
+
+
 def highest_pid(store: Store, record: CheckpointRecord, saved: SavedPod) -> int:
     """The highest PID any of the checkpoint's containers takes back when restored (their ``pstree.img``).
 
     Where the pod's containers share one PID namespace, each restore first
     moves that namespace's next PID past it (`criu_bridge.pidns`), so what
     a container restored earlier forks cannot take a PID a later one needs.
+    Read only for a container that joins one (`shares_pids`).
     """
     top = 0
     for cname, _cfg, _spec in saved.containers:

@@ -498,13 +498,15 @@ class RestoreRun:
     async def create_containers(self) -> None:
         """Each container in CREATED with its plan's mark, its plan written (journalled first), its lazy helpers."""
         req, svc, record, saved, entry = self.req, self.service, self.record, self.saved, self.entry
-        pid_floor = await asyncio.to_thread(podformat.highest_pid, req.source or svc.store, record, saved)
+        pid_floor: int | None = None  # read once, for the first container that joins a shared PID namespace
         for i, (cname, cfg, _spec) in enumerate(saved.containers):
             self.phase = f"create {cname}"
             if req.container_configs is not None:
                 ccfg = dict(req.container_configs[cname])
             else:
                 ccfg = target_container_config(cfg["config"], cname, allow_host_access=self.options.allow_host_access)
+            if pid_floor is None and podformat.shares_pids(ccfg):
+                pid_floor = await asyncio.to_thread(podformat.highest_pid, req.source or svc.store, record, saved)
             nonce = secrets.token_hex(16)
             cid = await svc.cri.create_container(self.pod_id, with_plan_mark(ccfg, nonce), self.pod_config)
             plan_dir = os.path.join(self.settings.plans_dir, cid)
@@ -513,7 +515,7 @@ class RestoreRun:
             await asyncio.to_thread(svc.write_plan, record, self.staging, cname, plan_dir, self.where, saved.options,
                                     self.paged, nonce=nonce, mounts=ccfg.get("mounts"), sandbox=self.pod_id,
                                     logs=(str(self.pod_config.get("log_directory") or ""),
-                                          str(ccfg.get("log_path") or "")), filled=self.filled, pid_floor=pid_floor)
+                                          str(ccfg.get("log_path") or "")), filled=self.filled, pid_floor=pid_floor or 0)
             if self.paged:
                 await svc.lazy.start(entry.op_id, req.source or svc.store, record, self.where, cname, cid, plan_dir,
                                      callers=req.source is not None, exists=container_exists(svc.cri, cid),

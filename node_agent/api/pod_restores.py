@@ -57,7 +57,7 @@ from node_agent.cri.client import to_json
 from node_agent.kubeapi import KubeClient
 from node_agent.podcheckpoints.resolve import cluster, named, resolve
 from node_agent.options import boolean
-from node_agent.podformat import SavedPod, highest_pid, load_saved, namespace_of
+from node_agent.podformat import SavedPod, highest_pid, load_saved, namespace_of, shares_pids
 from node_agent.replicas import valid_id
 from node_agent.restoring import Restorer, container_exists
 from node_agent.store import CheckpointRecord, Store
@@ -354,7 +354,8 @@ class PodRestores:
             # The kubelet pulled the container's image just now: it must be the checkpoint's own.
             saved = await asyncio.to_thread(load_saved, self.store, record)
             await podimages.check_image(self.checkpointer.cri, record, saved, name, req.config.image.image)
-            if st.pid_floor is None:
+            config = to_json(req.config)
+            if st.pid_floor is None and shares_pids(config):
                 st.pid_floor = await asyncio.to_thread(highest_pid, self.store, record, saved)
             os.makedirs(staging, mode=0o700)
             # Cut off (the kubelet's deadline), the reading ends before its staging is removed.
@@ -377,8 +378,8 @@ class PodRestores:
         try:
             await asyncio.to_thread(
                 restorer.write_plan, record, staging, name, plan_dir, st.pod, st.options, st.lazy,
-                nonce=nonce, mounts=to_json(req.config).get("mounts"), sandbox=st.sandbox_id,
-                logs=(req.sandbox_config.log_directory, req.config.log_path), pid_floor=st.pid_floor,
+                nonce=nonce, mounts=config.get("mounts"), sandbox=st.sandbox_id,
+                logs=(req.sandbox_config.log_directory, req.config.log_path), pid_floor=st.pid_floor or 0,
             )
             if st.lazy:
                 await restorer.lazy.start(st.op, self.store, record, st.pod, name, cid, plan_dir, callers=False,

@@ -169,3 +169,17 @@ def test_the_floor_is_the_highest_pid_of_every_container(tmp_path: Path) -> None
     bad = podformat.SavedPod("ns", "p", {}, (("shell", {}, {}), ("sidecar", {}, {})), ())
     with pytest.raises(errors.DataLoss, match="container sidecar has no"):
         podformat.highest_pid(store, record, bad)
+
+
+@pytest.mark.parametrize("pid, shared", [(None, True), (0, True), (1, False), (2, False), (3, True)])
+def test_the_floor_is_wanted_only_where_a_container_joins_a_shared_pid_namespace(pid: int | None,
+                                                                                   shared: bool) -> None:
+    # As the CRI's configs travel (JSON, integer enums; a mode left out is POD, as the runtime takes it).
+    opts = {} if pid is None else {"pid": pid}
+    config = {"linux": {"security_context": {"namespace_options": opts}}}
+    assert podformat.shares_pids(config) is shared
+    assert podformat.shares_pids({}) is True  # no options at all: the pod's namespace
+    named = {0: "POD", 1: "CONTAINER", 2: "NODE", 3: "TARGET"}
+    if pid is not None:
+        config["linux"]["security_context"]["namespace_options"]["pid"] = named[pid]  # type: ignore[index]
+        assert podformat.shares_pids(config) is shared
