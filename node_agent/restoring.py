@@ -533,20 +533,23 @@ class RestoreRun:
             try:
                 await svc.cri.start_container(cid)
             except errors.AgentError as exc:
-                # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason: the
+                # A refusal before runc ran (the wrapper's FAILED_PRECONDITION) is the reason (or, where a
+                # container started before this one lost its transfer and failed the pod, that loss): the
                 # page source then only lost its restore. When CRIU itself failed under a lazy
                 # restore, or the pre-resume gate of a filled one stopped it, the page source says
                 # why (a chunk that failed verification, a registry gone), not the log CRIU left as
                 # it was cut off nor a gate that came after the source had failed.
                 refused = runtime_handler.refusal(os.path.join(plans_dir, cid))
                 if refused is not None and not isinstance(refused, errors.Internal):
+                    for _name, before, _ in self.created[:i] if self.paged else ():
+                        if (lost := await svc.lazy.failure(self.entry.op_id, before, 0.0, early=True)) is not None:
+                            raise lost from exc
                     raise refused from exc
                 gated = refused is not None and runtime_handler.gate_stopped(refused)
-                why = (await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT, early=gated)
-                       if self.paged else "")
-                if why:
-                    code = errors.DataLoss if "digest mismatch" in why else errors.Unavailable
-                    raise code(why) from exc
+                lost = (await svc.lazy.failure(self.entry.op_id, cid, LAZY_REASON_WAIT, early=gated)
+                        if self.paged else None)
+                if lost is not None:
+                    raise lost from exc
                 if refused is not None:
                     raise refused from exc
                 raise type(exc)(f"restore of pod {where}, container {cname}: {exc}") from exc

@@ -193,13 +193,17 @@ class LazyRestores:
         if ahead is not None:
             ahead.stop(why)
 
-    async def failure(self, op_id: str, container_id: str, wait: float, *, early: bool = False) -> str:
-        """Why the lazy transfer of `container_id` in restore `op_id` failed ("" if it did not); `early`: see
+    async def failure(self, op_id: str, container_id: str, wait: float, *,
+                      early: bool = False) -> errors.AgentError | None:
+        """Why the lazy transfer of `container_id` in restore `op_id` failed, as the restore's error (None if it
+        did not): DATA_LOSS for a chunk that failed verification, else UNAVAILABLE; `early`: see
         `LazySession.failure`."""
         for session in self._by_op.get(op_id, []):
             if session.container_id == container_id:
-                return await session.failure(wait, early=early)
-        return ""
+                why = await session.failure(wait, early=early)
+                if why:
+                    return errors.DataLoss(why) if "digest mismatch" in why else errors.Unavailable(why)
+        return None
 
     def done(self, op_id: str) -> None:
         """The restore `op_id` succeeded: its sessions go on by themselves."""

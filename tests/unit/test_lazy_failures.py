@@ -522,6 +522,10 @@ async def test_a_chunk_that_fails_verification_stops_the_whole_pod(pod: Pod) -> 
         ended = await waiting.wait()
     assert not outcome.ok and digest in outcome.message and "the container was killed" in outcome.message
     assert await session.failure(5) == outcome.message  # a failed StartContainer's reason: the source's
+    # As the restore's error (also for a later container the wrapper refused because of it): DATA_LOSS, at once.
+    lost = await pod.lazy.failure("op", pod.cid("app"), 0.0, early=True)
+    assert isinstance(lost, DataLoss) and str(lost) == outcome.message
+    assert await pod.lazy.failure("op", pod.cid("sidecar"), 0.0, early=True) is None  # no transfer of its own
     assert pod.procs["late"].poll() is None  # never started: nothing of it ran, nothing to kill
     reason = pod.replicas.failure(app)
     assert reason is not None and reason.startswith(f"checkpoint {ckpt}: containers/app/checkpoint/pages-1.img")

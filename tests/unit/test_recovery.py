@@ -248,8 +248,10 @@ async def test_a_failed_lazy_start_names_the_decisive_reason(
     async def started(*_: Any, **__: Any) -> None:
         return None
 
-    async def told(*_: Any, **__: Any) -> str:
-        return source
+    async def told(*_: Any, **__: Any) -> errors.AgentError | None:  # as LazyRestores.failure answers
+        if not source:
+            return None
+        return errors.DataLoss(source) if "digest mismatch" in source else errors.Unavailable(source)
 
     monkeypatch.setattr(restorer.lazy, "wanted", lazily)
     monkeypatch.setattr(restorer.lazy, "start", started)
